@@ -1,0 +1,1 @@
+"""ttftscope alerts (see the issues: built on the data path)."""

@@ -1,0 +1,1 @@
+"""ttftscope analyzer (see the issues: built on the data path)."""

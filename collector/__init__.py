@@ -1,0 +1,1 @@
+"""Getting spans in: the OTLP/HTTP collector service and (later) the vLLM plugin."""

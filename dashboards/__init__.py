@@ -1,0 +1,1 @@
+"""ttftscope dashboards (see the issues: built on the data path)."""

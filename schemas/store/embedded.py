@@ -1,0 +1,399 @@
+"""The embedded store: ClickHouse SQL on chDB over immutable Parquet parts.
+
+Why this layout: a chDB data directory can be opened by one process only, yet the collector
+must write while the CLI and the UI read. So writers never share an engine with readers:
+
+* a writer turns each batch into an immutable part file (Parquet, sorted by Timestamp,
+  ZSTD, bloom filter on TraceId), written to a temporary name, fsynced and renamed;
+* ``manifest.json`` lists the live parts. It is replaced atomically (write, fsync, rename)
+  under an exclusive ``flock``, so any number of writer processes can commit;
+* a reader opens chDB in its own process and defines ``otel_traces`` as a view over the
+  parts the manifest lists (``file('{a,b,...}.parquet', Parquet, <exact column types>)``),
+  refreshed whenever the manifest changes. Every reader sees a consistent snapshot.
+
+A writer killed at any point leaves either the old manifest or the new one; parts not in
+the manifest are orphans, removed later. Small parts are merged in the background into
+larger ones (like MergeTree); merged-away files are deleted after a grace period so that
+a reader still holding the old snapshot can finish. Retention drops whole parts by age
+(like ``ttl_only_drop_parts``). Insert tokens are remembered like ClickHouse's
+``non_replicated_deduplication_window``: the same batch inserted twice is stored once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..columns import ARROW_SCHEMA, clickhouse_structure
+from ..ddl import SCHEMA_VERSION, TRACE_ID_TS, TRACES
+from .base import Store, StoreError, StoreUnavailable
+
+FORMAT = "ttftscope-embedded"
+NS_PER_DAY = 86_400 * 10**9
+_BAD_PATH_CHARS = re.compile(r"[*?{}\[\]'\\,]")
+
+# chDB keeps one engine per process: every EmbeddedStore shares it, one database each.
+_ENGINE_LOCK = threading.RLock()
+_SESSION = None
+
+
+def _session():
+    global _SESSION
+    if _SESSION is None:
+        from chdb import session
+
+        _SESSION = session.Session()
+    return _SESSION
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class EmbeddedStore(Store):
+    """See the module docstring. ``path`` is a directory (created when ``create``)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        create: bool = True,
+        row_group_size: int = 32_768,
+        merge_factor: int = 8,
+        max_level: int = 4,
+        max_part_rows: int = 4_000_000,
+        token_window: int = 10_000,
+        garbage_grace_s: float = 60.0,
+        orphan_age_s: float = 3600.0,
+    ) -> None:
+        self.root = Path(path).expanduser().absolute()
+        if _BAD_PATH_CHARS.search(str(self.root)):
+            raise StoreError(
+                f"embedded store path {str(self.root)!r} contains one of * ? {{ }} [ ] ' \\ , "
+                "which ClickHouse file globs cannot escape; choose another directory"
+            )
+        self.url = str(self.root)
+        self.parts_dir = self.root / TRACES
+        self.manifest_path = self.root / "manifest.json"
+        self.row_group_size = row_group_size
+        self.merge_factor = merge_factor
+        self.max_level = max_level
+        self.max_part_rows = max_part_rows
+        self.token_window = token_window
+        self.garbage_grace_s = garbage_grace_s
+        self.orphan_age_s = orphan_age_s
+        self._db = "store_" + uuid.uuid4().hex[:12]
+        self._view_key: tuple | None = None
+        if not self.manifest_path.exists():
+            if not create:
+                raise StoreError(f"no ttftscope store at {self.root} (run `ttftscope collect` first?)")
+            self._init_dir()
+        self.ensure_schema()
+
+    # ------------------------------------------------------------------ manifest
+    def _init_dir(self) -> None:
+        try:
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the store directory {self.root}: {e}") from e
+        empty = self.parts_dir / "_empty.parquet"
+        if not empty.exists():
+            pq.write_table(ARROW_SCHEMA.empty_table(), empty)
+        with self._locked() as m:
+            if m is None:
+                self._write_manifest(self._new_manifest())
+
+    @staticmethod
+    def _new_manifest() -> dict:
+        return {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "generation": 0,
+            "parts": [],
+            "tokens": [],
+            "garbage": [],
+        }
+
+    def _read_manifest(self) -> dict | None:
+        try:
+            data = self.manifest_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            m = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise StoreError(f"corrupt manifest {self.manifest_path}: {e}") from e
+        if m.get("format") != FORMAT:
+            raise StoreError(f"{self.root} is not a ttftscope embedded store")
+        return m
+
+    def _write_manifest(self, m: dict) -> None:
+        m["generation"] = int(m.get("generation", 0)) + 1
+        _atomic_write(self.manifest_path, orjson.dumps(m))
+
+    @contextmanager
+    def _locked(self):
+        """Exclusive access to the manifest across processes (flock)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / "manifest.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield self._read_manifest()
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def manifest(self) -> dict:
+        m = self._read_manifest()
+        if m is None:
+            raise StoreError(f"no ttftscope store at {self.root}")
+        return m
+
+    # ------------------------------------------------------------------- schema
+    def ensure_schema(self) -> int:
+        m = self.manifest()
+        v = int(m.get("schema_version", 0))
+        if v > SCHEMA_VERSION:
+            raise StoreError(
+                f"store {self.root} has schema version {v}, newer than this ttftscope "
+                f"({SCHEMA_VERSION}); upgrade ttftscope"
+            )
+        if v < SCHEMA_VERSION:  # no migrations yet beyond version 1
+            with self._locked() as m2:
+                m2["schema_version"] = SCHEMA_VERSION
+                self._write_manifest(m2)
+        return SCHEMA_VERSION
+
+    # ------------------------------------------------------------------- writes
+    def _write_part(self, table: pa.Table, level: int) -> dict:
+        table = table.sort_by([("Timestamp", "ascending")])
+        ts = table.column("Timestamp").cast(pa.int64())
+        lo, hi = pc.min(ts).as_py(), pc.max(ts).as_py()
+        day = lo // NS_PER_DAY
+        name = f"{day}-L{level}-{uuid.uuid4().hex}"
+        final = self.parts_dir / f"{name}.parquet"
+        tmp = self.parts_dir / f".{name}.tmp"
+        pq.write_table(
+            table,
+            tmp,
+            compression="zstd",
+            compression_level=1,
+            row_group_size=self.row_group_size,
+            write_statistics=True,
+            bloom_filter_options={"TraceId": {"ndv": max(table.num_rows, 1), "fpp": 0.01}},
+        )
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        return {
+            "name": name,
+            "rows": table.num_rows,
+            "min_ts": lo,
+            "max_ts": hi,
+            "day": day,
+            "level": level,
+            "bytes": final.stat().st_size,
+            "created": time.time(),
+        }
+
+    @staticmethod
+    def _split_by_day(table: pa.Table) -> list[pa.Table]:
+        days = pc.divide(table.column("Timestamp").cast(pa.int64()), NS_PER_DAY)
+        uniq = pc.unique(days).to_pylist()
+        if len(uniq) <= 1:
+            return [table]
+        return [table.filter(pc.equal(days, d)) for d in sorted(uniq)]
+
+    def insert_spans(self, table: pa.Table, token: str) -> bool:
+        if table.schema != ARROW_SCHEMA:
+            table = table.select(list(ARROW_SCHEMA.names)).cast(ARROW_SCHEMA)
+        with self._locked() as m:
+            if any(t == token for t, _ in m["tokens"]):
+                return False
+        if table.num_rows == 0:
+            new_parts: list[dict] = []
+        else:
+            try:
+                new_parts = [self._write_part(t, 0) for t in self._split_by_day(table)]
+            except OSError as e:
+                raise StoreUnavailable(f"cannot write to {self.parts_dir}: {e}") from e
+        with self._locked() as m:
+            if any(t == token for t, _ in m["tokens"]):
+                for p in new_parts:
+                    (self.parts_dir / f"{p['name']}.parquet").unlink(missing_ok=True)
+                return False
+            m["parts"].extend(new_parts)
+            m["tokens"].append([token, time.time()])
+            m["tokens"] = m["tokens"][-self.token_window :]
+            self._write_manifest(m)
+        return True
+
+    # ---------------------------------------------------------------- upkeep
+    def maintain(self) -> None:
+        while self._merge_once():
+            pass
+        self._collect_garbage()
+
+    def _merge_once(self) -> bool:
+        m = self.manifest()
+        groups: dict[tuple[int, int], list[dict]] = {}
+        for p in m["parts"]:
+            if p["level"] < self.max_level:
+                groups.setdefault((p["day"], p["level"]), []).append(p)
+        for (_day, level), parts in sorted(groups.items()):
+            if len(parts) < self.merge_factor:
+                continue
+            parts = sorted(parts, key=lambda p: p["min_ts"])[: self.merge_factor]
+            if sum(p["rows"] for p in parts) > self.max_part_rows:
+                continue
+            tables = [pq.read_table(self.parts_dir / f"{p['name']}.parquet") for p in parts]
+            merged = self._write_part(pa.concat_tables(tables), level + 1)
+            names = {p["name"] for p in parts}
+            with self._locked() as m2:
+                live = {p["name"] for p in m2["parts"]}
+                if not names <= live:  # someone else merged or dropped them meanwhile
+                    (self.parts_dir / f"{merged['name']}.parquet").unlink(missing_ok=True)
+                    return False
+                m2["parts"] = [p for p in m2["parts"] if p["name"] not in names] + [merged]
+                m2["garbage"].extend([n, time.time()] for n in names)
+                self._write_manifest(m2)
+            return True
+        return False
+
+    def apply_retention(self, days: float) -> int:
+        cutoff = time.time_ns() - int(days * NS_PER_DAY)
+        with self._locked() as m:
+            old = [p for p in m["parts"] if p["max_ts"] < cutoff]
+            if not old:
+                return 0
+            names = {p["name"] for p in old}
+            m["parts"] = [p for p in m["parts"] if p["name"] not in names]
+            m["garbage"].extend([n, time.time()] for n in names)
+            self._write_manifest(m)
+        return sum(p["rows"] for p in old)
+
+    def _collect_garbage(self) -> None:
+        now = time.time()
+        with self._locked() as m:
+            due = [n for n, t in m["garbage"] if now - t >= self.garbage_grace_s]
+            if due:
+                for n in due:
+                    (self.parts_dir / f"{n}.parquet").unlink(missing_ok=True)
+                m["garbage"] = [[n, t] for n, t in m["garbage"] if n not in set(due)]
+                self._write_manifest(m)
+            known = {p["name"] for p in m["parts"]} | {n for n, _ in m["garbage"]}
+        for f in self.parts_dir.iterdir():
+            stem = f.name.removesuffix(".parquet")
+            if f.name == "_empty.parquet" or stem in known:
+                continue
+            try:
+                if now - f.stat().st_mtime > self.orphan_age_s:
+                    f.unlink(missing_ok=True)  # left by a writer that died mid-insert
+            except FileNotFoundError:
+                pass
+
+    # ------------------------------------------------------------------- reads
+    def _refresh_views(self, force: bool = False) -> None:
+        try:
+            st = self.manifest_path.stat()
+        except FileNotFoundError as e:
+            raise StoreUnavailable(f"store {self.root} has no manifest") from e
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if key == self._view_key and not force:
+            return
+        m = self.manifest()
+        names = [p["name"] for p in m["parts"]]
+        if names:
+            glob = "{" + ",".join(names) + "}" if len(names) > 1 else names[0]
+            src = f"{self.parts_dir}/{glob}.parquet"
+        else:
+            src = f"{self.parts_dir}/_empty.parquet"
+        s = _session()
+        db = self._db
+        s.query(f"CREATE DATABASE IF NOT EXISTS {db}")
+        s.query(
+            f"CREATE OR REPLACE VIEW {db}.{TRACES} AS SELECT *, "
+            "arrayMap((k, v) -> concat(k, '=', v), mapKeys(ResourceAttributes), mapValues(ResourceAttributes)) AS ResourceAttributeItems, "
+            "arrayMap((k, v) -> concat(k, '=', v), mapKeys(SpanAttributes), mapValues(SpanAttributes)) AS SpanAttributeItems "
+            f"FROM file('{src}', Parquet, '{clickhouse_structure()}')"
+        )
+        s.query(
+            f"CREATE OR REPLACE VIEW {db}.{TRACE_ID_TS} AS SELECT TraceId, "
+            "toDateTime(min(Timestamp)) AS Start, toDateTime(max(Timestamp)) AS End "
+            f"FROM {db}.{TRACES} WHERE TraceId != '' GROUP BY TraceId"
+        )
+        self._view_key = key
+
+    def _run(self, sql: str, fmt: str, parameters: dict[str, Any] | None):
+        from chdb import ChdbError
+
+        with _ENGINE_LOCK:
+            for attempt in (0, 1):
+                self._refresh_views(force=attempt == 1)
+                s = _session()
+                try:
+                    s.query(f"USE {self._db}")
+                    return s.query(sql, fmt, params=parameters or None)
+                except (ChdbError, RuntimeError) as e:
+                    msg = str(e)
+                    if attempt == 0 and ("FILE_DOESNT_EXIST" in msg or "CANNOT_OPEN_FILE" in msg):
+                        continue  # a merge replaced parts under us: reload the snapshot
+                    raise StoreError(msg.strip()) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def query_arrow(self, sql: str, parameters: dict[str, Any] | None = None) -> pa.Table:
+        return self._run(sql, "ArrowTable", parameters)
+
+    def query_text(self, sql: str, fmt: str = "PrettyCompact", parameters: dict[str, Any] | None = None) -> bytes:
+        res = self._run(sql, fmt, parameters)
+        return res.bytes() if hasattr(res, "bytes") else bytes(res)
+
+    def ping(self) -> None:
+        if not self.manifest_path.exists():
+            raise StoreUnavailable(f"store {self.root} is gone")
+
+    def stats(self) -> dict:
+        m = self.manifest()
+        return {
+            "parts": len(m["parts"]),
+            "rows": sum(p["rows"] for p in m["parts"]),
+            "bytes": sum(p["bytes"] for p in m["parts"]),
+            "generation": m["generation"],
+        }
+
+    def close(self) -> None:
+        with _ENGINE_LOCK:
+            if _SESSION is not None and self._view_key is not None:
+                try:
+                    _SESSION.query(f"DROP DATABASE IF EXISTS {self._db}")
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+            self._view_key = None
