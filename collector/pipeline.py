@@ -1,0 +1,182 @@
+"""From acknowledged batches to the store: spool -> flusher -> store, with back-pressure.
+
+The pipeline is the only place that decides whether a request may be acknowledged: it
+refuses (429 when the store is merely behind, 503 when the store is down) once the spool
+holds ``max_spool_bytes``, so memory and disk stay bounded and a client retries later
+instead of losing data.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from ttftscope.schemas.store import Store
+
+from .metrics import CollectorMetrics
+from .spool import Segment, Spool
+
+log = logging.getLogger("ttftscope.collector")
+
+
+class Backpressure(Exception):
+    """The batch was not accepted; tell the client to retry after ``retry_after`` seconds."""
+
+    def __init__(self, status: int, retry_after: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(payloads: list[bytes]) -> pa.Table:
+    tables = [pa.ipc.open_stream(p).read_all() for p in payloads]
+    return pa.concat_tables(tables) if tables else None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        store_factory: Callable[[], Store],
+        spool: Spool,
+        metrics: CollectorMetrics | None = None,
+        *,
+        max_spool_bytes: int = 1 << 30,
+        max_batch_rows: int = 200_000,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 15.0,
+        maintain_every_s: float = 10.0,
+        retention_days: float | None = None,
+    ) -> None:
+        self.store_factory = store_factory
+        self.spool = spool
+        self.metrics = metrics or CollectorMetrics()
+        self.max_spool_bytes = max_spool_bytes
+        self.max_batch_rows = max_batch_rows
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.maintain_every_s = maintain_every_s
+        self.retention_days = retention_days
+        self.store: Store | None = None
+        self.store_healthy = True
+        self.last_error = ""
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._update_gauges()
+
+    # ----------------------------------------------------------------- intake
+    def submit(self, table: pa.Table) -> None:
+        """Make ``table`` durable in the spool, or raise :class:`Backpressure`."""
+        if self.spool.pending_bytes >= self.max_spool_bytes:
+            self.metrics.spans_dropped.inc(table.num_rows)
+            if not self.store_healthy:
+                raise Backpressure(503, 5, f"store unavailable ({self.last_error}); spool full, retry later")
+            raise Backpressure(429, 1, "collector queue full; retry later")
+        self.spool.append(to_ipc(table), table.num_rows)
+        self.metrics.spans_accepted.inc(table.num_rows)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_spans.set(self.spool.pending_rows)
+        self.metrics.spool_bytes.set(self.spool.pending_bytes)
+
+    # ---------------------------------------------------------------- flusher
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ttftscope-flusher", daemon=True)
+        self._thread.start()
+
+    def _get_store(self) -> Store:
+        if self.store is None:
+            self.store = self.store_factory()
+        return self.store
+
+    def _write(self, seg: Segment) -> None:
+        table = from_ipc(self.spool.read(seg))
+        t0 = time.perf_counter()
+        if table is not None and table.num_rows:
+            self._get_store().insert_spans(table, self.spool.token(seg))
+        self.metrics.batch_write_seconds.observe(time.perf_counter() - t0)
+        self.metrics.batch_spans.observe(seg.rows)
+        self.metrics.spans_written.inc(seg.rows)
+        self.spool.remove(seg)
+
+    def flush_once(self) -> int:
+        """Seal what is due and write every sealed segment. Returns spans written."""
+        self.spool.seal(only_if_due=True)
+        written = 0
+        for seg in self.spool.sealed():
+            self._write(seg)
+            written += seg.rows
+        self._update_gauges()
+        return written
+
+    def _run(self) -> None:
+        delay = self.retry_initial_s
+        last_maintain = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.flush_once()
+                if not self.store_healthy:
+                    log.warning("store is back; spooled spans delivered")
+                self.store_healthy, self.last_error = True, ""
+                self.metrics.store_up.set(1)
+                delay = self.retry_initial_s
+                if time.monotonic() - last_maintain >= self.maintain_every_s:
+                    last_maintain = time.monotonic()
+                    self._maintain()
+                self._wake.wait(min(0.1, self.spool.segment_age_s / 2))
+                self._wake.clear()
+            except Exception as e:  # noqa: BLE001 - any store failure: keep spooling, retry
+                self.store_healthy, self.last_error = False, f"{type(e).__name__}: {e}"[:300]
+                self.metrics.store_up.set(0)
+                self.metrics.store_errors.inc()
+                log.warning("store write failed (%s); spans stay spooled, retry in %.1fs", self.last_error, delay)
+                self.store = None  # reconnect next time
+                self._stop.wait(delay)
+                delay = min(delay * 2, self.retry_max_s)
+
+    def _maintain(self) -> None:
+        store = self._get_store()
+        if self.retention_days:
+            dropped = store.apply_retention(self.retention_days)
+            if dropped:
+                log.info("retention dropped %d spans older than %s days", dropped, self.retention_days)
+        store.maintain()
+
+    def stop(self, flush: bool = True, timeout: float = 30.0) -> bool:
+        """Stop the flusher; with ``flush``, write everything acknowledged first.
+
+        Returns True when the spool is empty. What could not be written stays on disk and
+        is delivered by the next collector started on the same spool.
+        """
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.spool.seal()
+        ok = True
+        if flush:
+            deadline = time.monotonic() + timeout
+            while self.spool.sealed() and time.monotonic() < deadline:
+                try:
+                    self.flush_once()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("could not flush at shutdown (%s); spans stay in %s", e, self.spool.dir)
+                    ok = False
+                    break
+        ok = ok and not self.spool.sealed()
+        self._update_gauges()
+        if self.store is not None:
+            self.store.close()
+        return ok

@@ -1,0 +1,212 @@
+"""The write-ahead spool: an acknowledged span is on local disk before the client hears 200.
+
+Requests are appended as framed records (magic, length, rows, CRC32, Arrow IPC payload) to
+the open segment; callers return only once their bytes are fsynced (group commit: one fsync
+covers every caller waiting at that moment). A segment is sealed by size or age and handed
+to the flusher, which deletes it only after the store has the batch. A crash loses nothing
+acknowledged: on start the open segment is cut back to its last complete record and sealed.
+Each segment inserts under its own token (spool id + sequence number), so a segment that
+was written to the store just before a crash is not stored twice when it is replayed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+_HEADER = struct.Struct("<4sIII")  # magic, payload length, rows, crc32(payload)
+_MAGIC = b"TTS1"
+
+
+class SpoolError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Segment:
+    seq: int
+    path: Path
+    rows: int
+    bytes: int
+
+
+def _scan(path: Path) -> tuple[int, int, list[bytes] | None, bool]:
+    """(valid bytes, rows, payloads if wanted, torn tail?) of a segment file."""
+    data = path.read_bytes()
+    pos = rows = 0
+    payloads: list[bytes] = []
+    while pos + _HEADER.size <= len(data):
+        magic, length, nrows, crc = _HEADER.unpack_from(data, pos)
+        end = pos + _HEADER.size + length
+        if magic != _MAGIC or end > len(data):
+            break
+        payload = data[pos + _HEADER.size : end]
+        if zlib.crc32(payload) != crc:
+            break
+        payloads.append(payload)
+        rows += nrows
+        pos = end
+    return pos, rows, payloads, pos != len(data)
+
+
+class Spool:
+    """See the module docstring. One collector process owns a spool directory."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        segment_bytes: int = 8 * 1024 * 1024,
+        segment_age_s: float = 0.5,
+        fsync: bool = True,
+    ) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self.segment_age_s = segment_age_s
+        self.fsync = fsync
+        self._lock_fd = os.open(self.dir / "spool.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise SpoolError(
+                f"spool {self.dir} is in use by another collector; give this one its own --spool"
+            ) from None
+        id_file = self.dir / "spool.id"
+        if not id_file.exists():
+            id_file.write_text(uuid.uuid4().hex)
+        self.id = id_file.read_text().strip()
+        self._lock = threading.Lock()  # guards the open segment
+        self._sync_lock = threading.Lock()  # one fsync at a time
+        self._sealed: dict[int, Segment] = {}
+        self.torn_records_dropped = 0
+        self._recover()
+        self._seq = max(self._sealed, default=0) + 1
+        self._fd: int | None = None
+        self._open_seq = 0
+        self._open_rows = 0
+        self._open_bytes = 0
+        self._open_since = 0.0
+        self._synced = (0, 0)  # (seq, bytes) known durable
+
+    # ---------------------------------------------------------------- recovery
+    def _recover(self) -> None:
+        for p in sorted(self.dir.glob("*.open")):
+            seq = int(p.stem)
+            valid, rows, _, torn = _scan(p)
+            if torn:  # a record cut by a crash was never acknowledged
+                self.torn_records_dropped += 1
+                with open(p, "r+b") as f:
+                    f.truncate(valid)
+                    os.fsync(f.fileno())
+            if valid == 0:
+                p.unlink()
+                continue
+            sealed = p.with_suffix(".sealed")
+            os.replace(p, sealed)
+            self._sealed[seq] = Segment(seq, sealed, rows, valid)
+        for p in sorted(self.dir.glob("*.sealed")):
+            seq = int(p.stem)
+            if seq not in self._sealed:
+                valid, rows, _, _ = _scan(p)
+                self._sealed[seq] = Segment(seq, p, rows, valid)
+
+    # ------------------------------------------------------------------ writes
+    def append(self, payload: bytes, rows: int) -> None:
+        """Append one record; returns once it is durable (fsynced, unless disabled)."""
+        frame = _HEADER.pack(_MAGIC, len(payload), rows, zlib.crc32(payload)) + payload
+        with self._lock:
+            if self._fd is None:
+                self._open_seq = self._seq
+                self._seq += 1
+                path = self.dir / f"{self._open_seq:016d}.open"
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self._open_rows = self._open_bytes = 0
+                self._open_since = time.monotonic()
+            n = os.write(self._fd, frame)
+            if n != len(frame):  # pragma: no cover - disk full mid-write
+                raise SpoolError("short write to the spool (disk full?)")
+            self._open_rows += rows
+            self._open_bytes += len(frame)
+            me = (self._open_seq, self._open_bytes)
+            if self._open_bytes >= self.segment_bytes:
+                self._seal_locked()
+        if self.fsync:
+            self._sync(me)
+
+    def _sync(self, me: tuple[int, int]) -> None:
+        with self._sync_lock:
+            if self._synced >= me:
+                return  # someone else's fsync already covered this record
+            with self._lock:
+                if self._fd is None or self._open_seq != me[0]:
+                    return  # sealed meanwhile; sealing fsyncs
+                fd = os.dup(self._fd)
+                target = (self._open_seq, self._open_bytes)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            self._synced = max(self._synced, target)
+
+    def _seal_locked(self) -> None:
+        if self._fd is None:
+            return
+        if self.fsync:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        src = self.dir / f"{self._open_seq:016d}.open"
+        dst = src.with_suffix(".sealed")
+        os.replace(src, dst)
+        self._sealed[self._open_seq] = Segment(self._open_seq, dst, self._open_rows, self._open_bytes)
+        self._synced = max(self._synced, (self._open_seq, self._open_bytes))
+
+    def seal(self, *, only_if_due: bool = False) -> None:
+        with self._lock:
+            if self._fd is None:
+                return
+            if only_if_due and time.monotonic() - self._open_since < self.segment_age_s:
+                return
+            self._seal_locked()
+
+    # ------------------------------------------------------------------- reads
+    def sealed(self) -> list[Segment]:
+        with self._lock:
+            return [self._sealed[k] for k in sorted(self._sealed)]
+
+    @staticmethod
+    def read(seg: Segment) -> list[bytes]:
+        _, _, payloads, _ = _scan(seg.path)
+        return payloads or []
+
+    def remove(self, seg: Segment) -> None:
+        with self._lock:
+            self._sealed.pop(seg.seq, None)
+        seg.path.unlink(missing_ok=True)
+
+    def token(self, seg: Segment) -> str:
+        return f"{self.id}-{seg.seq}"
+
+    @property
+    def pending_rows(self) -> int:
+        with self._lock:
+            return sum(s.rows for s in self._sealed.values()) + (self._open_rows if self._fd else 0)
+
+    @property
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return sum(s.bytes for s in self._sealed.values()) + (self._open_bytes if self._fd else 0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._seal_locked()
+        os.close(self._lock_fd)
