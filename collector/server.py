@@ -109,9 +109,9 @@ class _Handler(BaseHTTPRequestHandler):
             )
             return
         encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
-        if encoding not in ("identity", "gzip"):
+        if encoding not in ("identity", "gzip", "deflate"):
             self.close_connection = True
-            self._error(415, f"unsupported Content-Encoding {encoding!r}: use gzip or none", kind)
+            self._error(415, f"unsupported Content-Encoding {encoding!r}: use gzip, deflate or none", kind)
             return
         length = self.headers.get("Content-Length")
         if length is None:
@@ -135,18 +135,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._error(400, f"body truncated: got {len(body)} of {n} bytes", kind)
             return
-        if encoding == "gzip":
-            try:
-                d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        if encoding != "identity":
+            try:  # gzip, or deflate (zlib-wrapped, as HTTP defines it); 47 = auto-detect both
+                d = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else 47)
                 out = d.decompress(body, cfg.max_body_bytes + 1)
                 if len(out) > cfg.max_body_bytes or d.unconsumed_tail:
                     self._error(413, f"decompressed body exceeds the limit of {cfg.max_body_bytes} bytes", kind)
                     return
                 if not d.eof:
-                    raise zlib.error("incomplete gzip stream")
+                    raise zlib.error("incomplete compressed stream")
                 body = out
             except zlib.error as e:
-                self._error(400, f"invalid gzip body: {e}", kind)
+                self._error(400, f"invalid {encoding} body: {e}", kind)
                 return
         if not self.server.inflight.acquire(blocking=False):
             self._error(429, "too many requests in flight; retry later", kind, {"Retry-After": "1"})

@@ -1,0 +1,153 @@
+"""Shared fixtures: real collector processes, the ClickHouse-HTTP fixture, CLI helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"process exited with {proc.returncode}: {out}")
+        try:
+            requests.get(url, timeout=1)
+            return
+        except requests.RequestException:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+class CollectorProc:
+    """``ttftscope collect`` as a real subprocess."""
+
+    def __init__(self, store: str, spool: Path, port: int | None = None, extra: list[str] | None = None):
+        self.store, self.spool = store, spool
+        self.port = port or free_port()
+        self.extra = extra or []
+        self.proc: subprocess.Popen | None = None
+        self.log = spool.parent / f"collector-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> CollectorProc:
+        cmd = [PY, "-m", "ttftscope", "collect", "--store", self.store, "--spool", str(self.spool),
+               "--listen", f"127.0.0.1:{self.port}", "--flush-interval", "0.2", *self.extra]
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT)
+        wait_http(self.url + "/healthz", self.proc)
+        return self
+
+    def terminate(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        self._logf.close()
+        return rc
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._logf.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def metric(self, name: str) -> float:
+        text = requests.get(self.url + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@pytest.fixture
+def collector_factory(tmp_path):
+    procs: list[CollectorProc] = []
+
+    def make(store: str | None = None, spool: Path | None = None, **kw) -> CollectorProc:
+        c = CollectorProc(store or str(tmp_path / "store"), spool or (tmp_path / "spool"), **kw)
+        procs.append(c)
+        return c
+
+    yield make
+    for c in procs:
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.kill()
+            c.proc.wait(10)
+
+
+def ttftscope_sql(store: str, query: str, fmt: str = "json", params: dict | None = None) -> list[dict]:
+    """Run ``ttftscope sql`` as a user would and parse its JSON output."""
+    cmd = [PY, "-m", "ttftscope", "sql", "--store", store, "--format", fmt, query]
+    for k, v in (params or {}).items():
+        cmd += ["--param", f"{k}={v}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"ttftscope sql failed ({r.returncode}): {r.stderr}")
+    return json.loads(r.stdout)["data"] if fmt == "json" else r.stdout
+
+
+class ClickHouseFixture:
+    """tests/clickhouse_http_fixture.py: ClickHouse's HTTP interface over chDB (see there)."""
+
+    def __init__(self, path: Path, port: int | None = None):
+        self.path, self.port = path, port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def url(self, db: str = "ttft") -> str:
+        return f"clickhouse://default:@127.0.0.1:{self.port}/{db}?compress=lz4"
+
+    def start(self) -> ClickHouseFixture:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [PY, str(ROOT / "tests" / "clickhouse_http_fixture.py"), "--path", str(self.path), "--port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_http(f"http://127.0.0.1:{self.port}/ping", self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+
+@pytest.fixture
+def clickhouse(tmp_path):
+    ch = ClickHouseFixture(tmp_path / "clickhouse").start()
+    yield ch
+    ch.stop()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(tmp_path, monkeypatch):
+    """Never touch the user's real store or spool."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    monkeypatch.delenv("TTFTSCOPE_STORE", raising=False)
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("OTEL_SDK_DISABLED", "false")
