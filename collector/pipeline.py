@@ -126,6 +126,8 @@ class Pipeline:
         last_maintain = time.monotonic()
         while not self._stop.is_set():
             try:
+                if self.store is None:  # (re)connect even when idle, so health is known early
+                    self._get_store().ping()
                 self.flush_once()
                 if not self.store_healthy:
                     log.warning("store is back; spooled spans delivered")

@@ -1,0 +1,195 @@
+"""Bad input gets the right OTLP/HTTP status and a clear message; the collector keeps serving."""
+
+from __future__ import annotations
+
+import gzip
+import time
+
+import orjson
+import pytest
+import requests
+from google.rpc import status_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from conftest import ttftscope_sql
+
+PB = {"Content-Type": "application/x-protobuf"}
+JS = {"Content-Type": "application/json"}
+
+
+def _request(n_spans: int = 3, name: str = "ok", start: int | None = None, end: int | None = None,
+             n_attrs: int = 2, service: str = "svc-bad") -> trace_service_pb2.ExportTraceServiceRequest:
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    kv = rs.resource.attributes.add()
+    kv.key, kv.value.string_value = "service.name", service
+    ss = rs.scope_spans.add()
+    now = time.time_ns()
+    for i in range(n_spans):
+        sp = ss.spans.add()
+        sp.trace_id = (i + 1).to_bytes(16, "big")
+        sp.span_id = (i + 1).to_bytes(8, "big")
+        sp.name = name
+        sp.start_time_unix_nano = now if start is None else start
+        sp.end_time_unix_nano = (now + 1000) if end is None else end
+        for a in range(n_attrs):
+            kv = sp.attributes.add()
+            kv.key, kv.value.int_value = f"k{a}", a
+    return req
+
+
+def _pb_error(r: requests.Response) -> str:
+    st = status_pb2.Status()
+    st.ParseFromString(r.content)
+    return st.message
+
+
+def _still_serving(col) -> None:
+    r = requests.post(col.url + "/v1/traces", data=_request(1, "after").SerializeToString(), headers=PB, timeout=10)
+    assert r.status_code == 200
+
+
+@pytest.fixture
+def col(collector_factory):
+    c = collector_factory(extra=["--max-body", "1M"]).start()
+    yield c
+    _still_serving(c)
+    assert c.terminate() == 0
+
+
+def test_truncated_protobuf_is_400(col):
+    body = _request(5).SerializeToString()
+    r = requests.post(col.url + "/v1/traces", data=body[: len(body) // 2], headers=PB, timeout=10)
+    assert r.status_code == 400
+    assert "invalid protobuf" in _pb_error(r)
+
+
+def test_garbage_protobuf_is_400(col):
+    r = requests.post(col.url + "/v1/traces", data=b"\xff" * 64, headers=PB, timeout=10)
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "doc, where",
+    [
+        ({"resourceSpans": "nope"}, "resourceSpans: expected an array"),
+        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "00" * 16, "spanId": "01" * 8,
+                                                         "startTimeUnixNano": {"x": 1}}]}]}]},
+         "resourceSpans[0].scopeSpans[0].spans[0].startTimeUnixNano: expected an integer"),
+        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": 42}]}]}]},
+         "spans[0].traceId: expected a hex string"),
+        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz" * 16}]}]}]}, "is not hex"),
+        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "ab" * 16, "spanId": "cd" * 8,
+                                                         "attributes": [{"key": "a", "value": {"intValue": "x1"}}]}]}]}]},
+         "attributes[0].value.intValue: 'x1' is not an integer"),
+        ({"resourceSpans": [{"scopeSpans": [{"spans": [{"kind": "SPAN_KIND_WRONG"}]}]}]}, "unknown enum value"),
+        ([1, 2, 3], "$: expected an object"),
+    ],
+)
+def test_wrong_json_types_are_400_with_path(col, doc, where):
+    r = requests.post(col.url + "/v1/traces", data=orjson.dumps(doc), headers=JS, timeout=10)
+    assert r.status_code == 400
+    assert where in r.json()["message"]
+
+
+def test_invalid_json_is_400(col):
+    r = requests.post(col.url + "/v1/traces", data=b'{"resourceSpans": [', headers=JS, timeout=10)
+    assert r.status_code == 400 and "invalid JSON" in r.json()["message"]
+
+
+def test_invalid_utf8_in_protobuf_string_is_400(col):
+    body = bytearray(_request(1, name="NAMEMARK").SerializeToString())
+    i = body.find(b"NAMEMARK")
+    body[i : i + 2] = b"\xc3\x28"  # an invalid UTF-8 sequence inside a proto3 string
+    r = requests.post(col.url + "/v1/traces", data=bytes(body), headers=PB, timeout=10)
+    assert r.status_code == 400
+
+
+def test_invalid_utf8_in_json_is_400(col):
+    r = requests.post(col.url + "/v1/traces", data=b'{"resourceSpans": [{"x": "\xc3\x28"}]}', headers=JS, timeout=10)
+    assert r.status_code == 400
+
+
+def test_oversized_body_is_413(col):
+    body = _request(1, name="x" * (2 << 20)).SerializeToString()
+    r = requests.post(col.url + "/v1/traces", data=body, headers=PB, timeout=10)
+    assert r.status_code == 413
+    assert "exceeds the limit" in _pb_error(r)
+
+
+def test_gzip_bomb_is_413(col):
+    bomb = gzip.compress(b"\0" * (8 << 20))  # 8 MiB of zeros in a few KiB
+    r = requests.post(col.url + "/v1/traces", data=bomb, headers={**PB, "Content-Encoding": "gzip"}, timeout=10)
+    assert r.status_code == 413
+
+
+def test_corrupt_gzip_is_400(col):
+    r = requests.post(col.url + "/v1/traces", data=b"\x1f\x8b\x08garbage", headers={**PB, "Content-Encoding": "gzip"}, timeout=10)
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/xml", ""])
+def test_wrong_content_type_is_415(col, ctype):
+    r = requests.post(col.url + "/v1/traces", data=b"{}", headers={"Content-Type": ctype}, timeout=10)
+    assert r.status_code == 415
+    assert "application/x-protobuf or application/json" in r.json()["message"]
+
+
+def test_unknown_encoding_is_415(col):
+    r = requests.post(col.url + "/v1/traces", data=b"x", headers={**PB, "Content-Encoding": "br"}, timeout=10)
+    assert r.status_code == 415
+
+
+def test_wrong_route_and_method(col):
+    assert requests.post(col.url + "/v1/logs", data=b"", headers=PB, timeout=10).status_code == 404
+    assert requests.get(col.url + "/v1/traces", timeout=10).status_code == 405
+
+
+def test_absurd_timestamps_rejected_by_partial_success(col):
+    now = time.time_ns()
+    cases = [
+        _request(2, "zero-start", start=0, end=10),
+        _request(2, "far-future", start=now + 10**18, end=now + 10**18 + 5),
+        _request(2, "end-before-start", start=now, end=now - 5),
+    ]
+    for req in cases:
+        r = requests.post(col.url + "/v1/traces", data=req.SerializeToString(), headers=PB, timeout=10)
+        assert r.status_code == 200
+        resp = trace_service_pb2.ExportTraceServiceResponse()
+        resp.ParseFromString(r.content)
+        assert resp.partial_success.rejected_spans == 2
+        assert "rejected" in resp.partial_success.error_message
+    # JSON clients get the same answer in JSON
+    doc = {"resourceSpans": [{"scopeSpans": [{"spans": [
+        {"traceId": "ab" * 16, "spanId": "cd" * 8, "startTimeUnixNano": "5", "endTimeUnixNano": "6"}]}]}]}
+    r = requests.post(col.url + "/v1/traces", data=orjson.dumps(doc), headers=JS, timeout=10)
+    assert r.status_code == 200 and r.json()["partialSuccess"]["rejectedSpans"] == "1"
+    assert col.metric("ttftscope_collector_spans_rejected_total") == 7
+
+
+def test_huge_attribute_map_is_capped_and_reported(col):
+    req = _request(1, name="huge-attrs", n_attrs=5000)
+    r = requests.post(col.url + "/v1/traces", data=req.SerializeToString(), headers=PB, timeout=10)
+    assert r.status_code == 200
+    resp = trace_service_pb2.ExportTraceServiceResponse()
+    resp.ParseFromString(r.content)
+    assert resp.partial_success.rejected_spans == 0
+    assert "attributes dropped beyond 256" in resp.partial_success.error_message
+    _still_serving(col)
+    assert col.terminate() == 0
+    rows = ttftscope_sql(col.store, "SELECT length(mapKeys(SpanAttributes)) AS n FROM otel_traces "
+                                    "WHERE SpanName = 'huge-attrs'")
+    assert [int(r["n"]) for r in rows] == [256]
+    col.start()  # the fixture's teardown checks it still serves
+
+
+def test_bearer_token(collector_factory):
+    c = collector_factory(extra=["--token", "s3cret"]).start()
+    body = _request(1).SerializeToString()
+    assert requests.post(c.url + "/v1/traces", data=body, headers=PB, timeout=10).status_code == 401
+    bad = {**PB, "Authorization": "Bearer nope"}
+    assert requests.post(c.url + "/v1/traces", data=body, headers=bad, timeout=10).status_code == 401
+    good = {**PB, "Authorization": "Bearer s3cret"}
+    assert requests.post(c.url + "/v1/traces", data=body, headers=good, timeout=10).status_code == 200
+    assert c.terminate() == 0

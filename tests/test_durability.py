@@ -1,0 +1,228 @@
+"""Nothing acknowledged is lost: kill -9, store outages, concurrent readers, back-pressure."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+from conftest import PY, ROOT, ClickHouseFixture, free_port, ttftscope_sql
+
+PB = {"Content-Type": "application/x-protobuf"}
+
+
+def _batch(batch_no: int, n: int, service: str = "dur") -> bytes:
+    """A request whose span ids encode (batch, index), so each span is identifiable."""
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    kv = rs.resource.attributes.add()
+    kv.key, kv.value.string_value = "service.name", service
+    ss = rs.scope_spans.add()
+    now = time.time_ns()
+    for i in range(n):
+        sp = ss.spans.add()
+        sp.trace_id = (batch_no + 1).to_bytes(16, "big")
+        sp.span_id = ((batch_no << 16) + i + 1).to_bytes(8, "big")
+        sp.name = "dur"
+        sp.start_time_unix_nano = now
+        sp.end_time_unix_nano = now + 1000
+    return req.SerializeToString()
+
+
+def _ids(batch_no: int, n: int) -> set[str]:
+    return {format((batch_no << 16) + i + 1, "016x") for i in range(n)}
+
+
+class Sender(threading.Thread):
+    """Sends batches until stopped; remembers exactly which spans were acknowledged."""
+
+    def __init__(self, url: str, per_batch: int = 50, start_at: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.url, self.per_batch, self.next = url, per_batch, start_at
+        self.acked: set[str] = set()
+        self.refused = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        s = requests.Session()
+        while not self.stop.is_set():
+            b = self.next
+            self.next += 1
+            try:
+                r = s.post(self.url + "/v1/traces", data=_batch(b, self.per_batch), headers=PB, timeout=10)
+            except requests.RequestException:
+                continue  # the collector died mid-request: not acknowledged
+            if r.status_code == 200:
+                self.acked |= _ids(b, self.per_batch)
+            else:
+                self.refused += 1
+
+
+def _stored(store: str) -> list[str]:
+    return [r["SpanId"] for r in ttftscope_sql(store, "SELECT SpanId FROM otel_traces WHERE ServiceName = 'dur'")]
+
+
+def test_kill9_mid_ingest_then_restart_loses_nothing_duplicates_nothing(collector_factory, tmp_path):
+    col = collector_factory().start()
+    senders = [Sender(col.url, start_at=k * 10_000) for k in range(3)]
+    for s in senders:
+        s.start()
+    time.sleep(2.0)
+    col.kill9()  # mid-ingest: requests are in flight, segments half written
+    for s in senders:
+        s.stop.set()
+        s.join(15)
+    acked = set().union(*(s.acked for s in senders))
+    assert len(acked) > 500, "the test must really have been ingesting"
+    col.start()  # same spool: replays what the dead one acknowledged
+    assert col.terminate() == 0, col.output()
+    stored = _stored(col.store)
+    assert len(stored) == len(set(stored)), "no duplicate span after replay"
+    missing = acked - set(stored)
+    assert not missing, f"{len(missing)} acknowledged spans lost"
+
+
+def test_replayed_segment_already_in_store_is_not_duplicated(tmp_path):
+    """Crash after the store write but before the spool segment was deleted."""
+    from ttftscope.collector.pipeline import Pipeline, to_ipc
+    from ttftscope.collector.spool import Spool
+    from ttftscope.schemas.store import open_store
+
+    from ttftscope.collector.otlp import decode
+
+    store_dir = str(tmp_path / "store")
+    table, _ = decode(_batch(1, 20), "protobuf")
+    spool = Spool(tmp_path / "spool")
+    spool.append(to_ipc(table), table.num_rows)
+    spool.seal()
+    (seg,) = spool.sealed()
+    store = open_store(store_dir)
+    store.insert_spans(table, spool.token(seg))  # the write that happened before the "crash"
+    spool.close()
+    spool = Spool(tmp_path / "spool")  # restart
+    p = Pipeline(lambda: open_store(store_dir), spool)
+    assert p.flush_once() == 20
+    n = store.query("SELECT count() AS n, uniqExact(SpanId) AS u FROM otel_traces").row(0)
+    assert n == (20, 20)
+
+
+def test_torn_record_is_dropped_and_earlier_ones_kept(tmp_path):
+    from ttftscope.collector.spool import Spool
+
+    sp = Spool(tmp_path / "spool", fsync=False)
+    sp.append(b"a" * 100, 1)
+    sp.append(b"b" * 100, 2)
+    path = next((tmp_path / "spool").glob("*.open"))
+    sp._lock_fd and __import__("os").close(sp._lock_fd)  # simulate death: no seal
+    with open(path, "ab") as f:
+        f.write(b"TTS1\x64\x00\x00\x00")  # a header cut short by the crash
+    sp2 = Spool(tmp_path / "spool")
+    (seg,) = sp2.sealed()
+    assert seg.rows == 3
+    assert sp2.read(seg) == [b"a" * 100, b"b" * 100]
+    assert sp2.torn_records_dropped == 1
+
+
+def test_store_outage_spools_then_delivers_on_recovery(collector_factory, tmp_path):
+    ch = ClickHouseFixture(tmp_path / "ch", port=free_port()).start()
+    url = ch.url("ttft")
+    col = collector_factory(store=url).start()
+    ok = requests.post(col.url + "/v1/traces", data=_batch(1, 30), headers=PB, timeout=10)
+    assert ok.status_code == 200
+    time.sleep(1.0)
+    ch.stop()  # outage
+    acked = _ids(1, 30)
+    for b in range(2, 12):
+        r = requests.post(col.url + "/v1/traces", data=_batch(b, 30), headers=PB, timeout=10)
+        assert r.status_code == 200, "acknowledged while the store is down: spooled on disk"
+        acked |= _ids(b, 30)
+    deadline = time.time() + 20
+    while col.metric("ttftscope_collector_store_up") != 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert col.metric("ttftscope_collector_store_up") == 0
+    assert col.metric("ttftscope_collector_queue_spans") > 0
+    assert not requests.get(col.url + "/healthz", timeout=5).json()["store_healthy"]
+    ch = ClickHouseFixture(tmp_path / "ch", port=ch.port).start()  # recovery, same data
+    deadline = time.time() + 60
+    while col.metric("ttftscope_collector_queue_spans") > 0 and time.time() < deadline:
+        time.sleep(0.3)
+    assert col.metric("ttftscope_collector_queue_spans") == 0
+    assert col.terminate() == 0
+    stored = _stored(url)
+    ch.stop()
+    assert set(stored) == acked and len(stored) == len(acked)
+
+
+def test_full_spool_refuses_with_retry_after_and_keeps_serving_health(collector_factory, tmp_path):
+    """Store unreachable + tiny spool: 503 with Retry-After, bounded disk, nothing acked lost."""
+    dead = f"clickhouse://default:@127.0.0.1:{free_port()}/ttft"
+    from google.rpc import status_pb2
+
+    col = collector_factory(store=dead, extra=["--max-spool", "64K"]).start()
+    deadline = time.time() + 20
+    while col.metric("ttftscope_collector_store_up") != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert col.metric("ttftscope_collector_store_up") == 0, "the outage is noticed before any write"
+    statuses = []
+    for b in range(60):
+        r = requests.post(col.url + "/v1/traces", data=_batch(b, 20), headers=PB, timeout=10)
+        statuses.append(r.status_code)
+        if r.status_code != 200:
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0
+            st = status_pb2.Status()
+            st.ParseFromString(r.content)
+            assert "store unavailable" in st.message
+    assert statuses[0] == 200 and statuses[-1] == 503
+    assert col.metric("ttftscope_collector_spans_dropped_total") > 0
+    assert col.metric("ttftscope_collector_spool_bytes") < 64 * 1024 + 16 * 1024
+    assert requests.get(col.url + "/healthz", timeout=5).status_code == 200
+    rc = col.terminate()
+    assert rc == 3 and "stay spooled" in col.output()
+
+
+def test_concurrent_reads_while_writing(collector_factory):
+    """`ttftscope sql` in other processes while the collector writes: consistent, growing counts."""
+    col = collector_factory().start()
+    sender = Sender(col.url, per_batch=100)
+    sender.start()
+    counts = []
+    try:
+        for _ in range(8):
+            r = subprocess.run([PY, "-m", "ttftscope", "sql", "--store", col.store, "--format", "csv",
+                                "SELECT count(), uniqExact(SpanId) FROM otel_traces"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=60)
+            assert r.returncode == 0, r.stderr
+            n, u = map(int, r.stdout.strip().splitlines()[-1].split(","))
+            assert n == u, "a reader never sees a duplicate (atomic snapshots)"
+            counts.append(n)
+    finally:
+        sender.stop.set()
+        sender.join(15)
+    assert counts == sorted(counts) and counts[-1] > counts[0] > 0
+    assert col.terminate() == 0
+    assert len(_stored(col.store)) == len(sender.acked)
+
+
+@pytest.mark.parametrize("merge", [True])
+def test_merges_keep_every_row_and_readers_consistent(tmp_path, merge):
+    from ttftscope.collector.otlp import decode
+    from ttftscope.schemas.store import open_store
+
+    st = open_store(str(tmp_path / "s"), merge_factor=4, garbage_grace_s=0.0)
+    for b in range(16):
+        table, _ = decode(_batch(b, 25), "protobuf")
+        assert st.insert_spans(table, f"t{b}")
+    before = st.stats()
+    assert before["parts"] == 16
+    st.maintain()
+    after = st.stats()
+    assert after["parts"] == 1 and after["rows"] == 400  # 16 -> 4 (level 1) -> 1 (level 2)
+    n, u = st.query("SELECT count(), uniqExact(SpanId) FROM otel_traces").row(0)
+    assert (n, u) == (400, 400)
+    files = sorted(p.name for p in (tmp_path / "s" / "otel_traces").glob("*.parquet"))
+    assert len(files) == 2  # the merged part + the empty schema file; merged-away files deleted
+    assert not st.insert_spans(decode(_batch(3, 25), "protobuf")[0], "t3"), "token remembered across merges"
