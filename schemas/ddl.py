@@ -50,8 +50,8 @@ def _engine(o: DDLOptions, kind: str, table: str) -> str:
     """``MergeTree`` / ``AggregatingMergeTree``, or their Replicated variants on a cluster."""
     if not o.cluster:
         return kind
-    path = o.zk_path.replace("{table}", table)
-    return f"Replicated{kind}('{path}', '{o.replica}')"
+    # {shard}, {replica}, {database} and {table} are ClickHouse macros, expanded per server
+    return f"Replicated{kind}('{o.zk_path}', '{o.replica}')"
 
 
 def _local(o: DDLOptions, table: str) -> str:

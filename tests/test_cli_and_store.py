@@ -1,0 +1,125 @@
+"""`ttftscope sql` and the store interface: formats, bound parameters, clear errors, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import PY, ROOT
+
+
+def _fill(store_dir: str, n: int = 10, start_ns: int | None = None, token: str = "t"):
+    from ttftscope.collector.otlp import SpanBatchBuilder
+    from ttftscope.schemas.store import open_store
+
+    st = open_store(store_dir)
+    b = SpanBatchBuilder(now_ns=(start_ns or time.time_ns()) + 10**12)
+    t0 = start_ns or time.time_ns()
+    for i in range(n):
+        b.add_span(start=t0 + i, end=t0 + i + 1000, trace_id=f"{i + 1:032x}", span_id=f"{i + 1:016x}", parent="",
+                   trace_state="", name=f"name-{i % 3}", kind="Server", service="svc", resource={"service.name": "svc"},
+                   scope_name="", scope_version="", attrs={"user": f"u{i}"}, status="Unset", status_msg="",
+                   events=[], links=[])
+    st.insert_spans(b.table(), token)
+    return st
+
+
+def _sql(*args, stdin: str | None = None):
+    return subprocess.run([PY, "-m", "ttftscope", "sql", *args], capture_output=True, text=True, cwd=ROOT,
+                          input=stdin, timeout=120)
+
+
+def test_sql_formats(tmp_path):
+    d = str(tmp_path / "s")
+    _fill(d)
+    q = "SELECT SpanName, count() AS n FROM otel_traces GROUP BY SpanName ORDER BY SpanName"
+    table = _sql("--store", d, q)
+    assert table.returncode == 0 and "name-0" in table.stdout and "┌" in table.stdout
+    csv = _sql("--store", d, "--format", "csv", q)
+    assert csv.stdout.splitlines() == ['"SpanName","n"', '"name-0",4', '"name-1",3', '"name-2",3']
+    js = json.loads(_sql("--store", d, "--format", "json", q).stdout)
+    assert [int(r["n"]) for r in js["data"]] == [4, 3, 3]
+    tsv = _sql("--store", d, "--format", "tsv", q)
+    assert tsv.stdout.splitlines()[0] == "SpanName\tn"
+    piped = _sql("--store", d, "--format", "csv", "-", stdin="SELECT count() FROM otel_traces")
+    assert piped.stdout.splitlines()[-1] == "10"
+
+
+def test_store_from_environment_variable(tmp_path):
+    d = str(tmp_path / "envstore")
+    _fill(d, n=4)
+    env = {**os.environ, "TTFTSCOPE_STORE": d}
+    r = subprocess.run([PY, "-m", "ttftscope", "sql", "--format", "csv", "SELECT count() FROM otel_traces"],
+                       capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.stdout.splitlines()[-1] == "4"
+
+
+@pytest.mark.parametrize("evil", ["u1' OR 1=1 --", "x'); DROP TABLE otel_traces; --", "\\' OR ''='"])
+def test_parameters_are_bound_never_spliced(tmp_path, evil):
+    d = str(tmp_path / "s")
+    _fill(d)
+    r = _sql("--store", d, "--format", "csv", "--param", f"u={evil}",
+             "SELECT count() FROM otel_traces WHERE SpanAttributes['user'] = {u:String}")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "0"
+    ok = _sql("--store", d, "--format", "csv", "--param", "u=u1",
+              "SELECT count() FROM otel_traces WHERE SpanAttributes['user'] = {u:String}")
+    assert ok.stdout.splitlines()[-1] == "1"
+
+
+def test_clear_errors(tmp_path):
+    missing = _sql("--store", str(tmp_path / "nope"), "SELECT 1")
+    assert missing.returncode == 1 and "no ttftscope store" in missing.stderr
+    assert not (tmp_path / "nope").exists(), "reading never creates a store"
+    d = str(tmp_path / "s")
+    _fill(d)
+    bad = _sql("--store", d, "SELECT FROM WHERE")
+    assert bad.returncode == 1 and "Syntax error" in bad.stderr and "Traceback" not in bad.stderr
+    unknown = _sql("--store", d, "SELECT nope FROM otel_traces")
+    assert unknown.returncode == 1 and "nope" in unknown.stderr
+    scheme = _sql("--store", "postgres://x/y", "SELECT 1")
+    assert scheme.returncode == 1 and "unknown store URL scheme" in scheme.stderr
+    param = _sql("--store", d, "--param", "novalue", "SELECT 1")
+    assert param.returncode == 2 and "NAME=VALUE" in param.stderr
+
+
+def test_unreachable_clickhouse_is_reported_not_traced(tmp_path):
+    from conftest import free_port
+
+    r = _sql("--store", f"clickhouse://default:@127.0.0.1:{free_port()}/x", "SELECT 1")
+    assert r.returncode == 1 and "unreachable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_retention_drops_old_parts_only(tmp_path):
+    d = str(tmp_path / "s")
+    old = time.time_ns() - 10 * 86400 * 10**9
+    st = _fill(d, n=5, start_ns=old, token="old")
+    _fill(d, n=7, token="new")
+    assert st.query("SELECT count() FROM otel_traces").item() == 12
+    assert st.apply_retention(3) == 5
+    assert st.query("SELECT count() FROM otel_traces").item() == 7
+
+
+def test_batch_spanning_days_is_split_into_daily_parts(tmp_path):
+    d = str(tmp_path / "s")
+    from ttftscope.collector.otlp import decode  # noqa: F401 - import check
+    day = 86400 * 10**9
+    st = _fill(d, n=3, start_ns=(time.time_ns() // day) * day - 1, token="x")  # straddles midnight
+    days = {p["day"] for p in st.manifest()["parts"]}
+    assert len(days) == 2 and st.query("SELECT count() FROM otel_traces").item() == 3
+
+
+def test_collect_rejects_a_busy_spool_and_bad_listen(tmp_path, collector_factory):
+    c = collector_factory().start()
+    r = subprocess.run([PY, "-m", "ttftscope", "collect", "--store", c.store, "--spool", str(c.spool),
+                        "--listen", "127.0.0.1:0"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "in use by another collector" in r.stderr
+    r = subprocess.run([PY, "-m", "ttftscope", "collect", "--store", c.store, "--spool", str(tmp_path / "sp2"),
+                        "--listen", f"127.0.0.1:{c.port}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "cannot listen" in r.stderr
+    r = subprocess.run([PY, "-m", "ttftscope", "collect", "--listen", "nope:port"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "invalid HOST:PORT" in r.stderr
+    assert c.terminate() == 0
