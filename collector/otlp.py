@@ -18,7 +18,6 @@ import orjson
 import pyarrow as pa
 from google.protobuf.message import DecodeError as _PbDecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-
 from ttftscope.schemas.columns import ARROW_SCHEMA, STR_MAP, TS
 from ttftscope.schemas.vocabulary import SPAN_KINDS, STATUS_CODES
 
@@ -304,48 +303,97 @@ def _pb_attrs(kvs) -> dict[str, str]:
 
 
 def decode_protobuf(body: bytes, builder: SpanBatchBuilder) -> None:
-    """Decode a binary ``ExportTraceServiceRequest`` into ``builder``."""
+    """Decode a binary ``ExportTraceServiceRequest`` into ``builder``.
+
+    This is the ingest hot loop: it appends straight into the builder's column lists (no
+    per-span dicts or calls for the common cases) and falls back to the general path only
+    for spans that need limits applied.
+    """
     req = trace_service_pb2.ExportTraceServiceRequest()
     try:
         req.ParseFromString(body)
     except (_PbDecodeError, UnicodeDecodeError, ValueError) as e:
         raise DecodeError(f"invalid protobuf ExportTraceServiceRequest: {e}") from None
-    report = builder.report
+    b = builder
+    report = b.report
+    lim = b.limits
+    max_attrs, max_val = lim.max_attributes, lim.max_value_bytes
+    kinds, statuses = _KIND_BY_NUM, _STATUS_BY_NUM
+    ts_a, tid_a, sid_a, par_a = b.ts.append, b.trace_id.append, b.span_id.append, b.parent.append
+    state_a, name_a, kind_a, svc_a = b.state.append, b.name.append, b.kind.append, b.service.append
+    sn_a, sv_a, dur_a, st_a, sm_a = (b.scope_name.append, b.scope_version.append, b.duration.append,
+                                     b.status.append, b.status_msg.append)
+    ra = b.res_attrs
+    sa = b.span_attrs
+    sa_k, sa_v, sa_off = sa.keys, sa.values, sa.offsets
+    ev_off, ln_off = b.ev_off, b.ln_off
+    accepted = 0
     for rs in req.resource_spans:
-        resource = _pb_attrs(rs.resource.attributes)
-        resource = builder.clip_attrs(resource)
+        resource = b.clip_attrs(_pb_attrs(rs.resource.attributes))
+        r_keys, r_vals = list(resource.keys()), list(resource.values())
         service = resource.get("service.name", "")
         for ss in rs.scope_spans:
             scope_name, scope_version = ss.scope.name, ss.scope.version
             for sp in ss.spans:
                 tid, sid, pid = sp.trace_id.hex(), sp.span_id.hex(), sp.parent_span_id.hex()
                 start, end = sp.start_time_unix_nano, sp.end_time_unix_nano
-                why = builder.check_span(tid, sid, pid, start, end)
+                why = b.check_span(tid, sid, pid, start, end)
                 if why:
                     report.reject(why)
                     continue
-                builder.add_span(
-                    start=start,
-                    end=end,
-                    trace_id=tid,
-                    span_id=sid,
-                    parent=pid,
-                    trace_state=sp.trace_state,
-                    name=sp.name,
-                    kind=_KIND_BY_NUM.get(sp.kind, "Unspecified"),
-                    service=service,
-                    resource=resource,
-                    scope_name=scope_name,
-                    scope_version=scope_version,
-                    attrs=_pb_attrs(sp.attributes),
-                    status=_STATUS_BY_NUM.get(sp.status.code, "Unset"),
-                    status_msg=sp.status.message,
-                    events=[(e.time_unix_nano, e.name, _pb_attrs(e.attributes)) for e in sp.events],
-                    links=[
-                        (ln.trace_id.hex(), ln.span_id.hex(), ln.trace_state, _pb_attrs(ln.attributes))
-                        for ln in sp.links
-                    ],
-                )
+                attrs = sp.attributes
+                if len(attrs) > max_attrs or sp.events or sp.links:
+                    b.add_span(
+                        start=start, end=end, trace_id=tid, span_id=sid, parent=pid,
+                        trace_state=sp.trace_state, name=sp.name,
+                        kind=kinds.get(sp.kind, "Unspecified"), service=service, resource=resource,
+                        scope_name=scope_name, scope_version=scope_version,
+                        attrs=_pb_attrs(attrs), status=statuses.get(sp.status.code, "Unset"),
+                        status_msg=sp.status.message,
+                        events=[(e.time_unix_nano, e.name, _pb_attrs(e.attributes)) for e in sp.events],
+                        links=[(ln.trace_id.hex(), ln.span_id.hex(), ln.trace_state, _pb_attrs(ln.attributes))
+                               for ln in sp.links],
+                    )
+                    continue
+                ts_a(start)
+                tid_a(tid)
+                sid_a(sid)
+                par_a(pid)
+                state_a(sp.trace_state)
+                name_a(sp.name)
+                kind_a(kinds.get(sp.kind, "Unspecified"))
+                svc_a(service)
+                ra.keys.extend(r_keys)
+                ra.values.extend(r_vals)
+                ra.offsets.append(len(ra.keys))
+                sn_a(scope_name)
+                sv_a(scope_version)
+                for kv in attrs:
+                    v = kv.value
+                    w = v.WhichOneof("value")
+                    if w == "string_value":
+                        x = v.string_value
+                        if len(x) > max_val:
+                            report.warn(f"attribute values truncated to {max_val} characters")
+                            x = x[:max_val]
+                    elif w == "int_value":
+                        x = str(v.int_value)
+                    else:
+                        x = _pb_value(v)
+                        if len(x) > max_val:
+                            report.warn(f"attribute values truncated to {max_val} characters")
+                            x = x[:max_val]
+                    sa_k.append(kv.key)
+                    sa_v.append(x)
+                sa_off.append(len(sa_k))
+                dur_a(end - start)
+                st = sp.status
+                st_a(statuses.get(st.code, "Unset"))
+                sm_a(st.message)
+                ev_off.append(ev_off[-1])
+                ln_off.append(ln_off[-1])
+                accepted += 1
+    report.accepted += accepted
 
 
 # ----------------------------------------------------------------------------- JSON

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
-
 from ttftscope.schemas.store import Store
 
 from .metrics import CollectorMetrics

@@ -8,11 +8,9 @@ import time
 import orjson
 import pytest
 import requests
+from conftest import ttftscope_sql
 from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from opentelemetry.proto.trace.v1 import trace_pb2
-
-from conftest import ttftscope_sql
 
 PB = {"Content-Type": "application/x-protobuf"}
 JS = {"Content-Type": "application/json"}

@@ -8,9 +8,8 @@ import time
 
 import pytest
 import requests
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-
 from conftest import PY, ROOT, ClickHouseFixture, free_port, ttftscope_sql
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 PB = {"Content-Type": "application/x-protobuf"}
 
@@ -88,11 +87,10 @@ def test_kill9_mid_ingest_then_restart_loses_nothing_duplicates_nothing(collecto
 
 def test_replayed_segment_already_in_store_is_not_duplicated(tmp_path):
     """Crash after the store write but before the spool segment was deleted."""
+    from ttftscope.collector.otlp import decode
     from ttftscope.collector.pipeline import Pipeline, to_ipc
     from ttftscope.collector.spool import Spool
     from ttftscope.schemas.store import open_store
-
-    from ttftscope.collector.otlp import decode
 
     store_dir = str(tmp_path / "store")
     table, _ = decode(_batch(1, 20), "protobuf")

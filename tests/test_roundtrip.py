@@ -6,9 +6,8 @@ import json
 import math
 
 import pytest
-from otel_helpers import emit_rich_spans
-
 from conftest import ttftscope_sql
+from otel_helpers import emit_rich_spans
 
 KIND = {0: "Internal", 1: "Server", 2: "Client", 3: "Producer", 4: "Consumer"}  # SDK SpanKind values
 STATUS = {"UNSET": "Unset", "OK": "Ok", "ERROR": "Error"}

@@ -7,7 +7,6 @@ import subprocess
 import tempfile
 
 import pytest
-
 from conftest import PY, ROOT
 
 # The OpenTelemetry Collector ClickHouse exporter's otel_traces columns, in INSERT order
@@ -126,10 +125,11 @@ def test_schema_cli_prints_ddl_and_vocabulary():
 
 def test_phase_mapping_sql_agrees_with_python(tmp_path):
     """The SQL phase expression (analyzer, dashboards) and the Python mapping are one vocabulary."""
+    import time
+
+    from ttftscope.collector.otlp import SpanBatchBuilder
     from ttftscope.schemas import vocabulary as v
     from ttftscope.schemas.store import open_store
-    from ttftscope.collector.otlp import SpanBatchBuilder
-    import time
 
     names = list(v.SPAN_PHASE) + ["llm_request", "something else"]
     b = SpanBatchBuilder()

@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="bind {NAME:Type} in the query (repeatable)")
 
+    d = sub.add_parser("demo", help="the main job on the embedded store (grows with each part)")
+    _store_arg(d)
+    d.add_argument("--requests", type=int, default=200, help="request traces to send (default 200)")
+    d.add_argument("--quick", action="store_true", help="a short run")
+
     sc = sub.add_parser("schema", help="print the DDL or the vocabulary")
     sc.add_argument("what", choices=["ddl", "vocabulary"])
     sc.add_argument("--database", default="default")
@@ -146,11 +151,22 @@ def cmd_schema(a) -> int:
     return 0
 
 
+def cmd_demo(a) -> int:
+    from ttftscope.demo import run_demo
+    from ttftscope.schemas.store import StoreError, default_store_url
+
+    try:
+        return run_demo(a.store or default_store_url(), 50 if a.quick else a.requests)
+    except StoreError as e:
+        print(f"ttftscope demo: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema}[a.command](a)
+    return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo}[a.command](a)
 
 
 if __name__ == "__main__":

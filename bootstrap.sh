@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# ttftscope's set-up entry point, for a fresh machine (Python >= 3.10 with venv).
+#   ./bootstrap.sh demo [ARGS]   set up, then run the main job on the embedded store
+#   ./bootstrap.sh test [ARGS]   set up, then run the linter and the test suite (what CI runs)
+#   ./bootstrap.sh setup         set up only (.venv with ttftscope installed, editable)
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+what=${1:-demo}
+shift || true
+
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 10):
+    sys.exit(f"ttftscope needs Python >= 3.10, this is {sys.version.split()[0]} (set PYTHON=...)")
+PY
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+echo "==> installing ttftscope and its dependencies into .venv"
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+
+case "$what" in
+  setup) echo "==> ready: .venv/bin/ttftscope --help" ;;
+  demo) exec .venv/bin/ttftscope demo "$@" ;;
+  test)
+    echo "==> ruff"
+    .venv/bin/ruff check .
+    echo "==> pytest"
+    exec .venv/bin/python -m pytest -q "$@" ;;
+  *) echo "usage: $0 {demo|test|setup} [ARGS]" >&2; exit 2 ;;
+esac
