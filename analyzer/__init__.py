@@ -1,1 +1,41 @@
-"""ttftscope analyzer (see the issues: built on the data path)."""
+"""Turning spans into answers: one module per analysis behind one small facade.
+
+    from ttftscope.analyzer import Analyzer, Window
+    report = Analyzer(store).analyze(Window.last(3600))
+
+decompose (TTFT split per request, exact) · gaps · bottlenecks (ranked findings) ·
+coldstart · compare (Mann-Whitney per phase, change points) · advise · slo · export
+(Perfetto) · synth (synthetic workloads with planted causes).
+"""
+
+from __future__ import annotations
+
+from .compare import compare_frames
+from .decompose import decompose
+from .export import export_perfetto
+from .report import analyze, render_text
+from .slo import SLO
+from .window import Window
+
+
+class Analyzer:
+    """The facade: every analysis over one store."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def analyze(self, window: Window, slo: SLO | None = None, progress=None) -> dict:
+        return analyze(self.store, window, slo, progress)
+
+    def decompose(self, window: Window):
+        return decompose(self.store, window)
+
+    def compare(self, a: Window, b: Window) -> dict:
+        return compare_frames(decompose(self.store, a), decompose(self.store, b),
+                              a.version or "A", b.version or "B")
+
+    def export_perfetto(self, **kw) -> dict:
+        return export_perfetto(self.store, **kw)
+
+
+__all__ = ["Analyzer", "Window", "SLO", "analyze", "render_text", "decompose", "export_perfetto"]

@@ -237,12 +237,12 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     wait = np.where(k > 0, (p.chunk_wait_ms * MS * rng.lognormal(0, 0.2, cid.size)).astype(np.int64), 0)
     wait = wait + np.where((k > 0) & (L[cid] > p.starve_tokens),
                            (p.chunk_wait_long_ms * MS * rng.lognormal(0, 0.1, cid.size)).astype(np.int64), 0)
-    service = np.bincount(cid, weights=chunk_dur + wait, minlength=n).astype(np.int64)
+    service = np.add.reduceat(chunk_dur + wait, first_chunk)  # exact int64 sums
 
     # one FIFO prefill server (Lindley recursion): sequential by nature
     start = np.empty(n, dtype=np.int64)
     free = 0
-    for i in range(n):
+    for i in np.argsort(ready, kind="stable").tolist():  # served in the order they became ready
         s = ready[i] if ready[i] > free else free
         start[i] = s
         free = s + service[i]
@@ -269,7 +269,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     req_id = np.char.add(f"{run}-", idx.astype(str))
     prio = np.where(rng.random(n) < p.priority_frac, "0", "1")
     waiting_at = (np.searchsorted(np.sort(ready), cstart, side="right")
-                  - np.searchsorted(start, cstart, side="right"))
+                  - np.searchsorted(np.sort(start), cstart, side="right"))
     steps = np.arange(cid.size) + 1
     engine = "engine-0"
 
@@ -306,6 +306,18 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
             Attr.STEP: steps[mc], Attr.STEP_PREFILL_TOKENS: ctoks[mc], Attr.STEP_DECODE_TOKENS: running[mc],
             Attr.RUNNING: running[mc] + 1, Attr.WAITING: np.maximum(waiting_at[mc], 0), "ttftscope.engine": np.full(nc, engine)},
             chunk_dur[mc]))
+        # long waits between a prompt's chunks are decode steps of other requests (that is
+        # what starves the prefill): the engine is busy, not idle
+        dm = mc & (wait >= MS)
+        nd = int(dm.sum())
+        if nd:
+            dtrace = np.char.add(_hex(np.full(nd, 0xD, dtype=np.uint64), 16), _hex(steps[dm].astype(np.uint64), 16))
+            tables.append(_table(nd, cstart[dm] - wait[dm], dtrace, sids(cid.size, 11)[dm], "", SpanName.STEP, "Internal",
+                                 "vllm", eng, {
+                                     Attr.STEP: steps[dm] + 1_000_000_000, Attr.STEP_PREFILL_TOKENS: np.zeros(nd, dtype=np.int64),
+                                     Attr.STEP_DECODE_TOKENS: running[dm], Attr.RUNNING: running[dm] + 1,
+                                     Attr.WAITING: np.maximum(waiting_at[dm], 0), "ttftscope.engine": np.full(nd, engine)},
+                                 wait[dm]))
         for r in range(p.tp):
             wk = _resource(ProcessRole.WORKER.value, f"worker-{r}", ver, p.model, run, rank=r)
             ar_start = cstart[mc] + compute[mc] // 2

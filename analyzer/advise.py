@@ -1,0 +1,57 @@
+"""Advise: what to change, tied to the findings that motivate it, with the expected effect."""
+
+from __future__ import annotations
+
+_ADVICE = {
+    "queue_dominates": ("Raise engine capacity for admission: increase `max_num_seqs` / `max_num_batched_tokens` "
+                        "if memory allows, else add replicas (scale out).",
+                        "p99 TTFT falls by up to the queue share"),
+    "chunk_wait": ("Long prompts' chunks starve: tune chunked prefill (`--max-num-batched-tokens` larger so a long "
+                   "prompt needs fewer steps), or cap concurrent long prefills / use priority scheduling.",
+                   "removes most between-chunk waits for long prompts"),
+    "tokenizer_long_prompts": ("Tokenization of long prompts is super-linear: run more API-server processes "
+                               "(`--api-server-count`), pre-tokenize, or use the fast tokenizer path.",
+                               "long-prompt tokenization back to the short-prompt per-token cost"),
+    "allreduce_concurrency": ("Collectives grow with batch size: enable custom all-reduce / check the interconnect, "
+                              "or lower tensor parallelism (more replicas at TP=1 or 2).",
+                              "flat allreduce time per step as concurrency rises"),
+    "cold_start_gap": ("Idle time inside cold start: overlap weight loading with warmup/compilation, cache "
+                       "compiled graphs, or warm up before marking the server ready.",
+                       "cold start shortened by the idle share"),
+    "cold_start_slow": ("Cold start over target: use a faster load format (safetensors on local NVMe, "
+                        "`--load-format` sharded/runai streamer), cache torch.compile artifacts.",
+                        "cold start within target"),
+    "scheduling_bubbles": ("The engine idled while requests waited: check async scheduling and the "
+                           "API-server -> engine IPC path; consider more API-server processes.",
+                           "idle time between steps recovered"),
+    "host_gap": ("Time lost between tokenization and the engine: the frontend is saturated; add API-server "
+                 "processes or move rendering off the event loop.", "host gap removed from TTFT"),
+    "scale_out": ("TTFT tracks offered load: add replicas or autoscale on queue length / TTFT p90.",
+                  "TTFT flat under load"),
+    "regression": ("A phase regressed between versions: bisect the version change or roll back.",
+                   "phase back to the previous version's median"),
+    "tokenize_dominates": ("Tokenization dominates the tail: see tokenizer advice.", "shorter tokenize phase"),
+    "output_dominates": ("Output handling dominates: detokenization/streaming overhead; check the API server.",
+                         "shorter output phase"),
+    "load_dominates": ("Requests hit model loading: warm up before taking traffic.", "no cold requests"),
+}
+
+
+def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
+    out, seen = [], set()
+    for f in findings:
+        if f["severity"] == "low" or f["kind"] in seen or f["kind"] not in _ADVICE:
+            continue
+        seen.add(f["kind"])
+        what, effect = _ADVICE[f["kind"]]
+        out.append({"because": f["title"], "finding": f["kind"], "severity": f["severity"], "change": what,
+                    "expected_effect": effect, "evidence": {k: v for k, v in f["evidence"].items()
+                                                            if k in ("request_ids", "trace_ids")}})
+    # prefill/decode disaggregation: TTFT breaks its SLO while inter-token latency holds
+    tpot = stats.get("tpot_ms_p99")
+    if slo_result.get("violated") and tpot is not None and tpot < 50 and "queue_dominates" not in seen:
+        out.append({"because": f"TTFT SLO broken ({'; '.join(slo_result['violated'][:2])}) while TPOT p99 is {tpot:.0f} ms",
+                    "finding": "slo", "severity": "medium",
+                    "change": "Consider prefill/decode disaggregation, sizing the prefill pool by the prefill share of load.",
+                    "expected_effect": "TTFT no longer competes with decode steps", "evidence": {}})
+    return out

@@ -1,0 +1,198 @@
+"""Bottlenecks: ranked findings, each with its numbers and the requests behind it.
+
+Each detector is a small function from frames (and the store for engine-level spans) to
+zero or one finding. A finding has a ``kind``, a ``severity`` (high/medium/low), a
+``size`` (the number the title states, in ``unit``), a ``score`` used to rank findings of
+the same severity, a one-sentence ``title`` and ``evidence`` (numbers, request and trace ids).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from ttftscope.schemas.vocabulary import Attr, SpanName
+
+from .compare import compare_frames, significant_shifts
+from .decompose import tail_attribution
+from .slo import SLO
+from .window import Window
+
+SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
+
+
+def _finding(kind: str, severity: str | None, size: float, unit: str, score: float, title: str, **evidence) -> dict | None:
+    if severity is None:
+        return None
+    return {"kind": kind, "severity": severity, "size": float(size), "unit": unit, "score": float(score),
+            "title": title, "evidence": evidence}
+
+
+def _slow(tail_rows: list[dict]) -> dict:
+    return {"request_ids": [r["request_id"] for r in tail_rows], "trace_ids": [r["trace_id"] for r in tail_rows]}
+
+
+def phase_dominance(df: pl.DataFrame, slo: SLO) -> list[dict]:
+    """A non-compute phase taking most of the tail's TTFT."""
+    tail = tail_attribution(df, 0.99)
+    if not tail:
+        return []
+    p95 = float(df["ttft"].quantile(0.95, "linear")) / 1e6
+    p99 = float(df["ttft"].quantile(0.99, "linear")) / 1e6
+    slo_broken = p99 > slo.ttft_ms.get("p99", 1e18) or p95 > slo.ttft_ms.get("p95", 1e18)
+    out = []
+    names = {"queue": "queue wait", "tokenize": "tokenization", "output": "output handling", "load": "model loading"}
+    for phase, label in names.items():
+        share = tail["share"][phase]
+        sev = "high" if share >= 0.5 and slo_broken else "medium" if share >= 0.3 else "low" if share >= 0.15 else None
+        kind = "queue_dominates" if phase == "queue" else f"{phase}_dominates"
+        f = _finding(kind, sev, share, "share", share,
+                     f"{label} is {share:.0%} of p99 TTFT ({tail['threshold_ms']:.0f} ms and above)",
+                     phase=phase, p99_ttft_ms=p99, p95_ttft_ms=p95, slo_broken=slo_broken,
+                     **_slow(tail["slowest"]))
+        if f:
+            out.append(f)
+    return out
+
+
+def chunk_waits(df: pl.DataFrame) -> list[dict]:
+    tail = tail_attribution(df, 0.99)
+    if not tail:
+        return []
+    share = tail["share"]["gap_chunk_wait"]
+    sev = "high" if share >= 0.25 else "medium" if share >= 0.10 else None
+    return [f] if (f := _finding("chunk_wait", sev, share, "share", share,
+                                 f"waits between prefill chunks are {share:.0%} of p99 TTFT: long prompts' chunks starve",
+                                 **_slow(tail["slowest"]))) else []
+
+
+def host_gaps(df: pl.DataFrame) -> list[dict]:
+    tail = tail_attribution(df, 0.99)
+    if not tail:
+        return []
+    share = tail["share"]["gap_host"]
+    sev = "high" if share >= 0.25 else "medium" if share >= 0.10 else None
+    return [f] if (f := _finding("host_gap", sev, share, "share", share,
+                                 f"host-side gaps (tokenizer -> engine) are {share:.0%} of p99 TTFT",
+                                 **_slow(tail["slowest"]))) else []
+
+
+def tokenizer_long_prompts(df: pl.DataFrame, boundary: int = 32_768, min_long: int = 20) -> list[dict]:
+    """Per-token tokenisation cost above ``boundary`` tokens vs the linear fit below it."""
+    d = df.filter((pl.col("tokenize") > 0) & (pl.col("prompt_tokens") > 0))
+    short = d.filter(pl.col("prompt_tokens") <= boundary)
+    long = d.filter(pl.col("prompt_tokens") > boundary)
+    if long.height < min_long or short.height < 50:
+        return []
+    x, y = short["prompt_tokens"].to_numpy().astype(float), short["tokenize"].to_numpy().astype(float)
+    if np.ptp(x) == 0:
+        return []
+    slope, icpt = np.polyfit(x, y, 1)
+    if slope <= 0:
+        return []
+    per_tok_long = ((long["tokenize"].to_numpy() - icpt) / long["prompt_tokens"].to_numpy()).mean()
+    ratio = float(per_tok_long / slope)
+    excess = ratio - 1
+    sev = "high" if excess >= 0.25 else "medium" if excess >= 0.10 else None
+    top = long.sort("tokenize", descending=True).head(5)
+    return [f] if (f := _finding("tokenizer_long_prompts", sev, excess, "relative", min(excess, 1.0),
+                                 f"tokenization above {boundary // 1024}k tokens is {excess:.0%} slower per token",
+                                 per_token_us_short=slope / 1e3, per_token_us_long=per_tok_long / 1e3,
+                                 long_prompts=long.height, request_ids=top["request_id"].to_list(),
+                                 trace_ids=top["trace_id"].to_list())) else []
+
+
+def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[dict]:
+    """Allreduce time per step vs concurrency: relative growth per +10 concurrent requests."""
+    s = store.query(f"""
+        SELECT SpanAttributes['ttftscope.engine'] AS engine, SpanAttributes['{Attr.STEP}'] AS step,
+               max(toInt64(Duration)) AS ar, max(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}'])) AS running
+        FROM otel_traces WHERE SpanName = '{SpanName.ALLREDUCE}' AND {Window.time_filter()}
+        GROUP BY engine, step""", window.params())
+    if s.height < min_steps or s["running"].max() - s["running"].min() < 10:
+        return []
+    x, y = s["running"].to_numpy().astype(float), s["ar"].to_numpy().astype(float)
+    b, a = np.polyfit(x, y, 1)
+    if a <= 0:
+        return []
+    per10 = float(10 * b / a)
+    r = float(np.corrcoef(x, y)[0, 1])
+    sev = "high" if per10 >= 0.10 and r >= 0.5 else "medium" if per10 >= 0.05 and r >= 0.3 else None
+    return [f] if (f := _finding("allreduce_concurrency", sev, per10, "relative per +10 requests", min(per10 * 3, 1.0),
+                                 f"allreduce time grows {per10:.0%} per +10 concurrent requests (r={r:.2f})",
+                                 steps=s.height, allreduce_ms_at_min=(a + b * x.min()) / 1e6,
+                                 allreduce_ms_at_max=(a + b * x.max()) / 1e6, correlation=r)) else []
+
+
+def cold_start_findings(cold: list[dict], slo: SLO) -> list[dict]:
+    out = []
+    for c in cold:
+        share = c["idle_share"]
+        sev = "high" if share >= 0.10 else "medium" if share >= 0.05 else None
+        g = c.get("largest_gap") or {}
+        f = _finding("cold_start_gap", sev, share, "share", share,
+                     f"{c['instance']}: {share:.0%} of the {c['cold_start_s']:.0f} s cold start is idle"
+                     + (f" ({g.get('seconds', 0):.1f} s between {g.get('after')} and {g.get('before')})" if g else ""),
+                     instance=c["instance"], trace_ids=[c["trace_id"]], cold_start_s=c["cold_start_s"],
+                     idle_s=c["idle_s"], largest_gap=g)
+        if f:
+            out.append(f)
+        if c["over_target"]:
+            out.append(_finding("cold_start_slow", "high", c["cold_start_s"], "s", 0.5,
+                                f"{c['instance']}: cold start {c['cold_start_s']:.0f} s exceeds the {slo.cold_start_s:.0f} s target",
+                                instance=c["instance"], trace_ids=[c["trace_id"]], phases_s=c["phases_s"]))
+    # one finding per kind: the worst process
+    best: dict[str, dict] = {}
+    for f in out:
+        if f["kind"] not in best or f["size"] > best[f["kind"]]["size"]:
+            best[f["kind"]] = f
+    return list(best.values())
+
+
+def engine_bubble_findings(bubbles: dict) -> list[dict]:
+    share = bubbles.get("idle_share", 0.0)
+    sev = "high" if share >= 0.2 else "medium" if share >= 0.1 else None
+    reqs = [r for t in bubbles.get("top", []) for r in t["delayed_requests"]][:10]
+    return [f] if (f := _finding("scheduling_bubbles", sev, share, "share", share,
+                                 f"engine idle {share:.0%} of the time while requests waited ({bubbles['bubbles']} bubbles)",
+                                 request_ids=[r["request_id"] for r in reqs], trace_ids=[r["trace_id"] for r in reqs],
+                                 idle_ms=bubbles["idle_ms"])) else []
+
+
+def load_correlation(df: pl.DataFrame, slo: SLO, bin_s: float = 10.0) -> list[dict]:
+    """TTFT tracks offered load (arrivals per interval): a scale-out hint."""
+    if df.height < 200:
+        return []
+    g = (df.with_columns((pl.col("t0") // int(bin_s * 1e9)).alias("bin"))
+         .group_by("bin").agg(pl.len().alias("n"), pl.col("ttft").quantile(0.9).alias("q")).filter(pl.col("n") >= 3))
+    if g.height < 10:
+        return []
+    r = float(np.corrcoef(g["n"].to_numpy(), g["q"].to_numpy())[0, 1])
+    p99 = float(df["ttft"].quantile(0.99, "linear")) / 1e6
+    broken = p99 > slo.ttft_ms.get("p99", 1e18)
+    sev = "medium" if r >= 0.8 and broken else "low" if r >= 0.8 else None
+    return [f] if (f := _finding("scale_out", sev, r, "correlation", r * 0.5,
+                                 f"TTFT tracks load (r={r:.2f} between arrivals and p90 TTFT per {bin_s:.0f} s): scale out",
+                                 p99_ttft_ms=p99)) else []
+
+
+def version_regression(df: pl.DataFrame) -> list[dict]:
+    """Two service versions in the window: which phase shifted (Mann-Whitney, p < 0.001)."""
+    if "version" not in df.columns or df["version"].n_unique() < 2:
+        return []
+    order = df.group_by("version").agg(pl.col("t0").min()).sort("t0")["version"].to_list()
+    a, b = order[-2], order[-1]
+    cmp = compare_frames(df.filter(pl.col("version") == a), df.filter(pl.col("version") == b), a, b)
+    shifts = significant_shifts(cmp)
+    if not shifts:
+        return []
+    s = shifts[0]
+    sev = "high" if s["shift"] >= 0.10 else "low"
+    return [_finding("regression", sev, s["shift"], "relative", min(abs(s["shift"]), 1.0),
+                     f"{s['phase']} median {'+' if s['shift'] >= 0 else ''}{s['shift']:.0%} from version {a} to {b} "
+                     f"({s['median_a_ms']:.1f} -> {s['median_b_ms']:.1f} ms, p={s['p_value']:.1g})",
+                     phase=s["phase"], version_from=a, version_to=b, shifts=shifts)]
+
+
+def rank(findings: list[dict]) -> list[dict]:
+    return sorted([f for f in findings if f], key=lambda f: (SEVERITY_ORDER[f["severity"]], -f["score"]))

@@ -1,0 +1,80 @@
+"""Cold start: per process, start -> ready, split into its loading phases, against a target.
+
+Uses the plugin's ``ttftscope.process`` span (process start -> ready) and the loading spans
+(vLLM's own: "Load model", "Allocate KV cache", ...). Idle time inside the cold start
+(no loading phase running) is reported with the largest such gap and its neighbours.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, Attr, ResourceAttr, SpanName
+
+from .window import Window
+
+
+def _q(s: str) -> str:
+    return "'" + s.replace("'", "\\'") + "'"
+
+
+def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
+    names = ", ".join(_q(n) for n in sorted(VLLM_SPAN_PHASE))
+    df = store.query(f"""
+        SELECT TraceId AS trace, SpanName AS name, toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e,
+               ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}] AS instance,
+               ResourceAttributes[{_q(ResourceAttr.ROLE)}] AS role,
+               ServiceName AS service
+        FROM otel_traces
+        WHERE (SpanName = {_q(SpanName.PROCESS_START)} OR SpanName IN ({names}))
+          AND Timestamp >= fromUnixTimestamp64Nano(toInt64({{since:Int64}} - 86400000000000))
+          AND Timestamp < fromUnixTimestamp64Nano({{until:Int64}})
+        ORDER BY trace, s""", window.params())
+    if df.height == 0:
+        return []
+    proc = df.filter(pl.col("name") == SpanName.PROCESS_START).select(
+        "trace", pl.col("s").alias("p0"), pl.col("e").alias("ready"), "instance", "role", "service")
+    loads = df.filter(pl.col("name") != SpanName.PROCESS_START)
+    # stock vLLM: no process span -> the loading spans' own extent is the cold start
+    missing = loads.join(proc.select("trace"), on="trace", how="anti")
+    if missing.height:
+        extra = missing.group_by("trace").agg(pl.col("s").min().alias("p0"), pl.col("e").max().alias("ready"),
+                                              pl.col("instance").first(), pl.col("role").first(),
+                                              pl.col("service").first())
+        proc = pl.concat([proc, extra.select(proc.columns)])
+    # union of loading intervals per process; blocks of overlapping spans
+    lo = (loads.sort("trace", "s")
+          .with_columns(pl.col("e").cum_max().shift(1).over("trace").alias("prev_max"))
+          .with_columns(((pl.col("prev_max").is_null()) | (pl.col("s") > pl.col("prev_max"))).cast(pl.Int32)
+                        .cum_sum().over("trace").alias("block")))
+    blocks = (lo.group_by("trace", "block").agg(pl.col("s").min(), pl.col("e").max(),
+                                                pl.col("name").first().alias("first"), pl.col("name").last().alias("last"))
+              .sort("trace", "s")
+              .with_columns(pl.col("e").shift(1).over("trace").alias("prev_e"),
+                            pl.col("last").shift(1).over("trace").alias("prev_name")))
+    busy = blocks.group_by("trace").agg((pl.col("e") - pl.col("s")).sum().alias("busy"))
+    worst = (blocks.filter(pl.col("prev_e").is_not_null())
+             .with_columns((pl.col("s") - pl.col("prev_e")).alias("gap"))
+             .sort("gap", descending=True).group_by("trace").first()
+             .select("trace", "gap", pl.col("prev_name").alias("gap_after"), pl.col("first").alias("gap_before")))
+    phases = loads.group_by("trace", "name").agg((pl.col("e") - pl.col("s")).sum().alias("d"))
+    out = []
+    rows = proc.join(busy, on="trace", how="left").join(worst, on="trace", how="left").sort("instance")
+    phase_map: dict[str, dict] = {}
+    for r in phases.iter_rows(named=True):  # a few rows per process
+        phase_map.setdefault(r["trace"], {})[r["name"]] = r["d"] / 1e9
+    for r in rows.iter_rows(named=True):
+        dur = (r["ready"] - r["p0"]) / 1e9
+        busy_s = (r["busy"] or 0) / 1e9
+        out.append({
+            "instance": r["instance"] or r["service"], "role": r["role"], "trace_id": r["trace"],
+            "cold_start_s": dur, "target_s": target_s, "over_target": dur > target_s,
+            "phases_s": phase_map.get(r["trace"], {}),
+            "idle_s": max(dur - busy_s, 0.0), "idle_share": max(dur - busy_s, 0.0) / dur if dur > 0 else 0.0,
+            "largest_gap": ({"seconds": r["gap"] / 1e9, "after": r["gap_after"], "before": r["gap_before"]}
+                            if r["gap"] is not None else None),
+        })
+    return out
+
+
+__all__ = ["cold_start", "Attr"]

@@ -1,0 +1,63 @@
+"""Gaps: idle time inside TTFT, classified, sized and linked to the requests it delayed.
+
+* request gaps (from the decomposition): host-side (tokenisation -> engine), waits between
+  prefill chunks, scheduling waits (queued -> computing), output IPC, other;
+* engine bubbles: idle intervals between consecutive engine steps while requests were
+  waiting (a scheduler that could have run but did not);
+* cold-start gaps come from :mod:`coldstart`.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from ttftscope.schemas.vocabulary import Attr, SpanName
+
+from .decompose import GAP_COLUMNS
+from .window import Window
+
+
+def request_gaps(df: pl.DataFrame) -> dict:
+    if df.height == 0:
+        return {}
+    total = df["ttft"].sum()
+    out = {}
+    for c in GAP_COLUMNS:
+        col = df[c]
+        top = df.filter(pl.col(c) > 0).sort(c, descending=True).head(5)
+        out[c.removeprefix("gap_")] = {
+            "total_ms": col.sum() / 1e6, "share_of_ttft": col.sum() / total if total else 0.0,
+            "requests_affected": int((col > 0).sum()), "p99_ms": float(col.quantile(0.99, "linear")) / 1e6,
+            "top": [{"request_id": r["request_id"], "trace_id": r["trace_id"], "ms": r[c] / 1e6}
+                    for r in top.select("request_id", "trace_id", c).iter_rows(named=True)],
+        }
+    return out
+
+
+def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 10) -> dict:
+    """Idle intervals on each engine timeline while requests waited."""
+    df = store.query(f"""
+        SELECT engine, st, en, waiting, prev_en, st - prev_en AS idle FROM (
+          SELECT SpanAttributes['ttftscope.engine'] AS engine, toUnixTimestamp64Nano(Timestamp) AS st,
+                 st + toInt64(Duration) AS en, toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) AS waiting,
+                 lagInFrame(en, 1, toInt64(0)) OVER (PARTITION BY engine ORDER BY st
+                     ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_en
+          FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()})
+        WHERE prev_en > 0""", window.params())
+    if df.height == 0:
+        return {"steps": 0, "bubbles": 0, "idle_ms": 0.0, "busy_ms": 0.0, "idle_share": 0.0, "top": []}
+    busy = float((df["en"] - df["st"]).sum())
+    b = df.filter((pl.col("idle") > int(min_idle_ms * 1e6)) & (pl.col("waiting") > 0))
+    idle = float(b["idle"].sum()) if b.height else 0.0
+    tops = []
+    for r in b.sort("idle", descending=True).head(top).iter_rows(named=True):
+        delayed = store.query(
+            f"SELECT SpanAttributes['{Attr.REQUEST_ID}'] AS request_id, TraceId AS trace_id FROM otel_traces "
+            f"WHERE SpanName = '{SpanName.QUEUE}' AND Timestamp < fromUnixTimestamp64Nano({{e:Int64}}) "
+            "AND Timestamp >= fromUnixTimestamp64Nano(toInt64({e:Int64} - 600000000000)) "
+            "AND toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) > {s:Int64} LIMIT 20",
+            {"s": int(r["prev_en"]), "e": int(r["st"])})
+        tops.append({"engine": r["engine"], "start_ns": int(r["prev_en"]), "idle_ms": r["idle"] / 1e6,
+                     "waiting": int(r["waiting"]), "delayed_requests": delayed.to_dicts()})
+    return {"steps": df.height, "bubbles": b.height, "idle_ms": idle / 1e6, "busy_ms": busy / 1e6,
+            "idle_share": idle / (idle + busy) if busy else 0.0, "top": tops}
