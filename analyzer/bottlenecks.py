@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
-
 from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from .compare import compare_frames, significant_shifts
@@ -106,7 +105,8 @@ def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[di
     """Allreduce time per step vs concurrency: relative growth per +10 concurrent requests."""
     s = store.query(f"""
         SELECT SpanAttributes['ttftscope.engine'] AS engine, SpanAttributes['{Attr.STEP}'] AS step,
-               max(toInt64(Duration)) AS ar, max(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}'])) AS running
+               max(toInt64(Duration)) AS ar, max(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}'])) AS running,
+               any(TraceId) AS trace_id
         FROM otel_traces WHERE SpanName = '{SpanName.ALLREDUCE}' AND {Window.time_filter()}
         GROUP BY engine, step""", window.params())
     if s.height < min_steps or s["running"].max() - s["running"].min() < 10:
@@ -118,10 +118,19 @@ def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[di
     per10 = float(10 * b / a)
     r = float(np.corrcoef(x, y)[0, 1])
     sev = "high" if per10 >= 0.10 and r >= 0.5 else "medium" if per10 >= 0.05 and r >= 0.3 else None
-    return [f] if (f := _finding("allreduce_concurrency", sev, per10, "relative per +10 requests", min(per10 * 3, 1.0),
-                                 f"allreduce time grows {per10:.0%} per +10 concurrent requests (r={r:.2f})",
-                                 steps=s.height, allreduce_ms_at_min=(a + b * x.min()) / 1e6,
-                                 allreduce_ms_at_max=(a + b * x.max()) / 1e6, correlation=r)) else []
+    if sev is None:
+        return []
+    worst = s.sort("ar", descending=True).head(5)
+    reqs = store.query(
+        f"SELECT DISTINCT SpanAttributes['{Attr.REQUEST_ID}'] AS request_id FROM otel_traces "
+        f"WHERE SpanName = '{SpanName.PREFILL}' AND {Window.time_filter()} "
+        f"AND (SpanAttributes['ttftscope.engine'], SpanAttributes['{Attr.STEP}']) IN {{k:Array(Tuple(String, String))}} LIMIT 10",
+        {**window.params(), "k": list(zip(worst["engine"].to_list(), worst["step"].to_list()))})
+    return [_finding("allreduce_concurrency", sev, per10, "relative per +10 requests", min(per10 * 3, 1.0),
+                     f"allreduce time grows {per10:.0%} per +10 concurrent requests (r={r:.2f})",
+                     steps=s.height, allreduce_ms_at_min=float(a + b * x.min()) / 1e6,
+                     allreduce_ms_at_max=float(a + b * x.max()) / 1e6, correlation=r,
+                     trace_ids=worst["trace_id"].to_list(), request_ids=reqs["request_id"].to_list())]
 
 
 def cold_start_findings(cold: list[dict], slo: SLO) -> list[dict]:
@@ -188,10 +197,13 @@ def version_regression(df: pl.DataFrame) -> list[dict]:
         return []
     s = shifts[0]
     sev = "high" if s["shift"] >= 0.10 else "low"
+    med = df.filter(pl.col("version") == b).with_columns(
+        (pl.col(s["phase"]) - int(s["median_b_ms"] * 1e6)).abs().alias("_d")).sort("_d").head(5)
     return [_finding("regression", sev, s["shift"], "relative", min(abs(s["shift"]), 1.0),
                      f"{s['phase']} median {'+' if s['shift'] >= 0 else ''}{s['shift']:.0%} from version {a} to {b} "
                      f"({s['median_a_ms']:.1f} -> {s['median_b_ms']:.1f} ms, p={s['p_value']:.1g})",
-                     phase=s["phase"], version_from=a, version_to=b, shifts=shifts)]
+                     phase=s["phase"], version_from=a, version_to=b, shifts=shifts,
+                     request_ids=med["request_id"].to_list(), trace_ids=med["trace_id"].to_list())]
 
 
 def rank(findings: list[dict]) -> list[dict]:

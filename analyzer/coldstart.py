@@ -8,7 +8,6 @@ Uses the plugin's ``ttftscope.process`` span (process start -> ready) and the lo
 from __future__ import annotations
 
 import polars as pl
-
 from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, Attr, ResourceAttr, SpanName
 
 from .window import Window

@@ -54,10 +54,15 @@ def significant_shifts(cmp: dict, alpha: float = 1e-3, min_shift: float = 0.10, 
         key=lambda r: -abs(r["delta_ms"]))
 
 
-def change_points(df: pl.DataFrame, bin_s: float = 60.0, alpha: float = 1e-3, max_points: int = 3) -> list[dict]:
-    """Times where the per-interval TTFT median shifted (binary segmentation + Welch t-test)."""
+def change_points(df: pl.DataFrame, bin_s: float | None = None, alpha: float = 1e-3, max_points: int = 3) -> list[dict]:
+    """Times where the per-interval TTFT median shifted (binary segmentation + Welch t-test).
+
+    ``bin_s`` defaults to a fortieth of the window (between 1 s and 5 min)."""
     if df.height == 0:
         return []
+    if bin_s is None:
+        span_s = (df["t0"].max() - df["t0"].min()) / 1e9
+        bin_s = float(min(max(span_s / 40, 1.0), 300.0))
     s = (df.with_columns((pl.col("t0") // int(bin_s * 1e9)).alias("bin"))
          .group_by("bin").agg(pl.col("ttft").median().alias("m"), pl.len().alias("n")).sort("bin")
          .filter(pl.col("n") >= 5))

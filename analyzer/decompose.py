@@ -16,7 +16,6 @@ prefill; the rest of TTFT is ``gap`` ("everything else"), and ``coarse`` is true
 from __future__ import annotations
 
 import polars as pl
-
 from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, Attr, ResourceAttr, SpanName
 
 from .window import Window

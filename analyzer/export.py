@@ -8,7 +8,6 @@ with the request's id) so overlapping requests never collide on one thread.
 from __future__ import annotations
 
 import polars as pl
-
 from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName, phase_of
 
 from .window import Window

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import polars as pl
-
 from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from .decompose import GAP_COLUMNS

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
-
 from ttftscope.schemas.columns import ARROW_SCHEMA, STR_MAP, TS
 from ttftscope.schemas.vocabulary import Attr, ProcessRole, ResourceAttr, SpanName
 
@@ -379,8 +378,8 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     if p.allreduce_slope_per10:
         truth["allreduce_slope_per10"] = p.allreduce_slope_per10
     if p.prefill_regression:
-        pf = prefill_end - start
-        truth["regression"] = {"phase": "prefill", "from": p.versions[0], "to": p.versions[1],
+        pf = np.add.reduceat(compute, first_chunk)  # prefill compute per request (allreduce excluded)
+        truth["regression"] = {"phase": "prefill", "from": p.versions[0], "to": p.versions[1], "at_ns": int(arrival[n // 2]),
                                "shift": float(np.median(pf[version_b]) / np.median(pf[~version_b]) - 1)}
     return tables, truth
 

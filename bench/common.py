@@ -7,7 +7,6 @@ import random
 import time
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-
 from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 

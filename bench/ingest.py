@@ -26,7 +26,6 @@ import requests
 sys.path.insert(0, str(Path(__file__).parent))
 from common import otlp_request, rss_mb  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
-
 from ttftscope.collector.otlp import decode  # noqa: E402
 from ttftscope.collector.pipeline import Pipeline  # noqa: E402
 from ttftscope.collector.spool import Spool  # noqa: E402

@@ -42,6 +42,40 @@ def _size(value: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid size {value!r} (e.g. 512M, 2G)") from None
 
 
+def _scenarios() -> list[str]:
+    from ttftscope.analyzer.synth import SCENARIOS
+
+    return list(SCENARIOS)
+
+
+def _window_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--since", default=None, help="start (ISO 8601, epoch s, now-2h)")
+    p.add_argument("--until", default=None, help="end (default now)")
+    p.add_argument("--last", default=None, help="window length back from now, e.g. 15m (default 1h)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--version", default=None, help="service.version")
+    p.add_argument("--run", default=None, help="ttftscope.run label")
+
+
+def _window(a):
+    from ttftscope.analyzer.window import Window, parse_duration, parse_time
+
+    if a.last and (a.since or a.until):
+        raise ValueError("use either --last or --since/--until")
+    until = parse_time(a.until) if a.until else None
+    if a.last:
+        import time
+
+        now = time.time_ns()
+        return Window(now - int(parse_duration(a.last) * 1e9), now + 10**9, a.model, a.version, a.run)
+    if a.since:
+        import time
+
+        return Window(parse_time(a.since), until or time.time_ns() + 10**9, a.model, a.version, a.run)
+    w = Window.last(3600, model=a.model, version=a.version, run=a.run)
+    return Window(w.since_ns, until or w.until_ns, a.model, a.version, a.run) if until else w
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ttftscope", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -66,6 +100,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=["table", "csv", "json", "tsv"], default="table")
     s.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="bind {NAME:Type} in the query (repeatable)")
+
+    an = sub.add_parser("analyze", help="where TTFT goes in a window: decomposition, gaps, findings, advice")
+    _store_arg(an)
+    _window_args(an)
+    an.add_argument("--slo", default=None, metavar="p50=350,p95=600,p99=800", help="TTFT targets in ms")
+    g = an.add_mutually_exclusive_group()
+    g.add_argument("--json", action="store_true", help="the report as JSON (schema ttftscope.report/1)")
+    g.add_argument("--markdown", action="store_true", help="the report as Markdown")
+    an.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    cp = sub.add_parser("compare", help="compare two windows or versions phase by phase")
+    _store_arg(cp)
+    cp.add_argument("a", help="version=X, run=X, or a time range START..END (ISO or now-15m)")
+    cp.add_argument("b", help="the same, for the other side")
+    _window_args(cp)
+    cp.add_argument("--json", action="store_true")
+
+    ex = sub.add_parser("export", help="export requests for other tools")
+    ex.add_argument("format", choices=["perfetto"])
+    _store_arg(ex)
+    ex.add_argument("--trace-id", action="append", default=[])
+    ex.add_argument("--request-id", action="append", default=[])
+    _window_args(ex)
+    ex.add_argument("--limit", type=int, default=200, help="requests from the window (default 200)")
+    ex.add_argument("-o", "--output", default="-", help="file (default stdout)")
+
+    sy = sub.add_parser("synth", help="write a synthetic workload with a planted cause into the store")
+    _store_arg(sy)
+    sy.add_argument("--scenario", required=True, help="one of: " + ", ".join(_scenarios()))
+    sy.add_argument("--requests", type=int, default=10_000)
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--truth", default=None, metavar="FILE", help="write the planted ground truth (JSON) here")
 
     d = sub.add_parser("demo", help="the main job on the embedded store (grows with each part)")
     _store_arg(d)
@@ -151,6 +217,144 @@ def cmd_schema(a) -> int:
     return 0
 
 
+def _store_or_fail(url, cmd: str):
+    from ttftscope.schemas.store import StoreError, open_store
+
+    try:
+        return open_store(url, create=False)
+    except StoreError as e:
+        print(f"ttftscope {cmd}: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_analyze(a) -> int:
+    import orjson
+
+    from ttftscope.analyzer import SLO, Analyzer, render_text
+    from ttftscope.analyzer.report import _stderr_progress
+    from ttftscope.schemas.store import StoreError
+
+    try:
+        w, slo = _window(a), SLO.parse(a.slo)
+    except ValueError as e:
+        print(f"ttftscope analyze: {e}", file=sys.stderr)
+        return 2
+    store = _store_or_fail(a.store, "analyze")
+    if store is None:
+        return 2
+    try:
+        r = Analyzer(store).analyze(w, slo, None if a.quiet or a.json else _stderr_progress)
+    except StoreError as e:
+        print(f"ttftscope analyze: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        sys.stdout.write(orjson.dumps(r, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+    else:
+        sys.stdout.write(render_text(r, markdown=a.markdown))
+    return 1 if r.get("slo", {}).get("violated") else 0
+
+
+def _side(spec: str, a):
+    from ttftscope.analyzer.window import Window, parse_time
+
+    base = _window(a)
+    k, sep, v = spec.partition("=")
+    if sep and k in ("version", "run", "model"):
+        return Window(base.since_ns, base.until_ns, **{**{"model": a.model, "version": a.version, "run": a.run}, k: v})
+    lo, sep, hi = spec.partition("..")
+    if sep:
+        return Window(parse_time(lo), parse_time(hi), a.model, a.version, a.run)
+    raise ValueError(f"cannot read {spec!r}: use version=X, run=X or START..END")
+
+
+def cmd_compare(a) -> int:
+    import orjson
+
+    from ttftscope.analyzer import Analyzer
+    from ttftscope.analyzer.compare import significant_shifts
+
+    try:
+        wa, wb = _side(a.a, a), _side(a.b, a)
+    except ValueError as e:
+        print(f"ttftscope compare: {e}", file=sys.stderr)
+        return 2
+    store = _store_or_fail(a.store, "compare")
+    if store is None:
+        return 2
+    r = Analyzer(store).compare(wa, wb)
+    r["a"]["label"], r["b"]["label"] = a.a, a.b
+    r["significant"] = significant_shifts(r)
+    if a.json:
+        sys.stdout.write(orjson.dumps(r, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    if "error" in r:
+        print(f"ttftscope compare: {r['error']} (A: {r['a']['requests']}, B: {r['b']['requests']})", file=sys.stderr)
+        return 1
+    print(f"A = {a.a} ({r['a']['requests']} requests)   B = {a.b} ({r['b']['requests']} requests)")
+    print(f"{'phase':<10} {'median A ms':>12} {'median B ms':>12} {'shift':>8} {'p-value':>9}")
+    for k, v in r["phases"].items():
+        mark = " *" if any(s["phase"] == k for s in r["significant"]) else ""
+        print(f"{k:<10} {v['median_a_ms']:>12.2f} {v['median_b_ms']:>12.2f} {v['shift']:>+8.1%} {v['p_value']:>9.2g}{mark}")
+    print("* significant (p < 0.001, shift >= 10%)")
+    return 0
+
+
+def cmd_export(a) -> int:
+    import orjson
+
+    from ttftscope.analyzer import export_perfetto
+
+    store = _store_or_fail(a.store, "export")
+    if store is None:
+        return 2
+    try:
+        kw = {"trace_ids": a.trace_id} if a.trace_id else {"request_ids": a.request_id} if a.request_id else {
+            "window": _window(a), "limit": a.limit}
+        doc = export_perfetto(store, **kw)
+    except ValueError as e:
+        print(f"ttftscope export: {e}", file=sys.stderr)
+        return 2
+    data = orjson.dumps(doc)
+    if a.output == "-":
+        sys.stdout.buffer.write(data + b"\n")
+    else:
+        with open(a.output, "wb") as f:
+            f.write(data)
+        n = sum(1 for e in doc["traceEvents"] if e.get("ph") == "X")
+        print(f"wrote {n} spans to {a.output} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+    return 0 if doc["traceEvents"] else 1
+
+
+def cmd_synth(a) -> int:
+    import orjson
+
+    from ttftscope.analyzer import synth
+    from ttftscope.schemas.store import StoreError, default_store_url, open_store
+
+    if a.scenario not in synth.SCENARIOS:
+        print(f"ttftscope synth: unknown scenario {a.scenario!r}; choose from {', '.join(synth.SCENARIOS)}", file=sys.stderr)
+        return 2
+    if a.requests < 1:
+        print("ttftscope synth: --requests must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        store = open_store(a.store or default_store_url())
+    except StoreError as e:
+        print(f"ttftscope synth: {e}", file=sys.stderr)
+        return 2
+
+    def progress(done: int, total: int) -> None:
+        print(f"  {done:,}/{total:,} requests written", file=sys.stderr, flush=True)
+
+    truth = synth.write(store, a.scenario, a.requests, seed=a.seed, progress=progress)
+    sc = synth.SCENARIOS[a.scenario]
+    print(f"wrote scenario {a.scenario!r} ({sc.description}): {a.requests:,} requests, run label {truth['run']}")
+    if a.truth:
+        with open(a.truth, "wb") as f:
+            f.write(orjson.dumps(truth, option=orjson.OPT_INDENT_2))
+    return 0
+
+
 def cmd_demo(a) -> int:
     from ttftscope.demo import run_demo
     from ttftscope.schemas.store import StoreError, default_store_url
@@ -166,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo}[a.command](a)
+    return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
+            "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth}[a.command](a)
 
 
 if __name__ == "__main__":

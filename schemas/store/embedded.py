@@ -76,6 +76,25 @@ def _atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def _literal(v: Any) -> str:
+    """A value in ClickHouse's text format for a composite query parameter."""
+    if isinstance(v, str):
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(v, (list, tuple)):
+        inner = ",".join(_literal(x) for x in v)
+        return f"[{inner}]" if isinstance(v, list) else f"({inner})"
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    return str(v)
+
+
+def _text_params(parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chDB binds scalars itself; arrays and tuples go as ClickHouse text literals."""
+    if not parameters:
+        return parameters
+    return {k: (_literal(v) if isinstance(v, (list, tuple)) else v) for k, v in parameters.items()}
+
+
 class EmbeddedStore(Store):
     """See the module docstring. ``path`` is a directory (created when ``create``)."""
 
@@ -361,7 +380,7 @@ class EmbeddedStore(Store):
                 s = _session()
                 try:
                     s.query(f"USE {self._db}")
-                    return s.query(sql, fmt, params=parameters or None)
+                    return s.query(sql, fmt, params=_text_params(parameters) or None)
                 except (ChdbError, RuntimeError) as e:
                     msg = str(e)
                     if attempt == 0 and ("FILE_DOESNT_EXIST" in msg or "CANNOT_OPEN_FILE" in msg):

@@ -1,0 +1,229 @@
+"""The analyzer against synthetic workloads whose cause and size were planted by the generator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import polars as pl
+import pytest
+from conftest import PY, ROOT
+from ttftscope.analyzer import Analyzer, Window, synth
+from ttftscope.analyzer.decompose import GAP_COLUMNS, PHASE_COLUMNS, decompose
+from ttftscope.schemas.store import open_store
+
+N = 4000
+WIN = Window.last(6 * 3600)
+
+
+def _planted_size(truth: dict) -> float:
+    return {
+        "queue_dominates": lambda t: t["tail_share"]["queue"],
+        "tokenizer_long_prompts": lambda t: t["tokenizer_per_token_ratio"] - 1,
+        "allreduce_concurrency": lambda t: t["allreduce_slope_per10"],
+        "cold_start_gap": lambda t: t["cold_gap_frac"],
+        "chunk_wait": lambda t: t["tail_share"]["chunk_wait"],
+        "regression": lambda t: t["regression"]["shift"],
+    }[truth["cause"]](truth)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """One embedded store per scenario, filled once for the module."""
+    out = {}
+    for name in synth.SCENARIOS:
+        st = open_store(str(tmp_path_factory.mktemp(name) / "store"))
+        out[name] = (st, synth.write(st, name, N, seed=11))
+    return out
+
+
+@pytest.mark.parametrize("scenario", [s for s in synth.SCENARIOS if s != "baseline"])
+def test_top_finding_is_the_planted_cause_with_its_size(stores, scenario):
+    st, truth = stores[scenario]
+    report = Analyzer(st).analyze(WIN)
+    top = report["findings"][0]
+    assert top["kind"] == truth["cause"], [f["title"] for f in report["findings"]]
+    assert top["severity"] == "high"
+    planted = _planted_size(truth)
+    assert top["size"] == pytest.approx(planted, rel=0.10), (top["title"], planted)
+    ev = top["evidence"]
+    assert ev.get("request_ids") or ev.get("trace_ids"), "every finding links to requests or traces"
+    assert report["advice"] and report["advice"][0]["finding"] == truth["cause"]
+
+
+def test_clean_baseline_has_no_high_severity_finding(stores):
+    st, _ = stores["baseline"]
+    report = Analyzer(st).analyze(WIN)
+    assert report["requests"] == N
+    assert [f for f in report["findings"] if f["severity"] == "high"] == []
+    assert not report["slo"]["violated"]
+
+
+@pytest.mark.parametrize("scenario", list(synth.SCENARIOS))
+def test_decomposition_sums_exactly_to_measured_ttft(stores, scenario):
+    st, truth = stores[scenario]
+    df = decompose(st, WIN)
+    assert df.height == N
+    diff = df.select((sum(pl.col(c) for c in PHASE_COLUMNS) - pl.col("ttft")).abs().max()).item()
+    assert diff == 0
+    gaps = df.select((sum(pl.col(c) for c in GAP_COLUMNS) - pl.col("gap")).abs().max()).item()
+    assert gaps == 0
+    assert df["ttft"].quantile(0.99, "linear") / 1e6 == pytest.approx(truth["ttft_ms"]["p99"], rel=0.02)
+
+
+def test_tail_queue_share_matches_planted(stores):
+    st, truth = stores["queue-surge"]
+    r = Analyzer(st).analyze(WIN)
+    assert r["tail"]["share"]["queue"] == pytest.approx(truth["tail_share"]["queue"], rel=0.05)
+    assert r["slo"]["violated"], "a queue surge breaks the default p99 target"
+
+
+def test_regression_change_point_at_the_version_switch(stores):
+    st, truth = stores["regression"]
+    r = Analyzer(st).analyze(WIN)
+    at = truth["regression"]["at_ns"]
+    assert any(abs(c["at_ns"] - at) <= 3 * 60 * 10**9 for c in r["change_points"]), (r["change_points"], at)
+
+
+def test_cold_start_split_into_phases(stores):
+    st, truth = stores["cold-start-gap"]
+    cold = Analyzer(st).analyze(WIN)["cold_start"]
+    assert {c["instance"] for c in cold} == set(truth["cold_start"])
+    for c in cold:
+        t = truth["cold_start"][c["instance"]]
+        assert c["cold_start_s"] == pytest.approx(t["cold_start_s"], rel=1e-6)
+        assert c["idle_s"] == pytest.approx(t["gap_s"], rel=1e-3)
+        assert set(c["phases_s"]) == {"Load model", "Allocate KV cache", "Warmup (CPU)", "Compile graph"}
+        assert c["largest_gap"]["after"] == "Allocate KV cache" and c["largest_gap"]["before"] == "Warmup (CPU)"
+
+
+def test_stock_vllm_spans_only_give_the_coarse_split(tmp_path):
+    """Only llm_request (vLLM's own tracing): queue and prefill from its attributes, the rest is gap."""
+    tables, _ = synth.generate("baseline", 500, seed=3)
+    st = open_store(str(tmp_path / "s"))
+    for i, t in enumerate(tables):
+        import pyarrow.compute as pc
+
+        t = t.filter(pc.equal(t.column("SpanName"), "llm_request"))
+        if t.num_rows:
+            st.insert_spans(t, f"t{i}")
+    raw = st.query("SELECT toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_queue']) AS q, "
+                   "toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_model_prefill']) AS p, "
+                   "toFloat64OrZero(SpanAttributes['gen_ai.latency.time_to_first_token']) AS t, "
+                   "SpanAttributes['gen_ai.request.id'] AS request_id FROM otel_traces")
+    df = decompose(st, WIN).join(raw, on="request_id")
+    assert df.height == 500 and df["coarse"].all()
+    assert (df["queue"] - (df["q"] * 1e9).round()).abs().max() <= 1
+    assert (df["prefill"] + df["allreduce"] - (df["p"] * 1e9).round()).abs().max() <= 1
+    assert (df["gap"] - (df["ttft"] - df["queue"] - df["prefill"])).abs().max() == 0
+    assert (df["tokenize"] == 0).all()
+
+
+def test_injected_gap_is_found_at_the_right_place(tmp_path):
+    """An 80 ms hole planted between tokenization and queueing of one request."""
+    import numpy as np
+    import pyarrow as pa
+
+    tables, _ = synth.generate("baseline", 300, seed=5)
+    victim = None
+    fixed = []
+    for t in tables:
+        names = t.column("SpanName").to_pylist()
+        if names and names[0] == "llm_request" and victim is None:
+            victim = t.column("TraceId")[100].as_py()
+        fixed.append((t, names))
+    out = []
+    shift = 80_000_000
+    for t, names in fixed:
+        if names and names[0] in ("ttftscope.queue", "ttftscope.prefill", "ttftscope.output", "llm_request"):
+            hit = np.array(t.column("TraceId").to_pylist()) == victim
+            ts = t.column("Timestamp").cast(pa.int64()).to_numpy().copy()
+            if names[0] != "llm_request":
+                ts[hit] += shift  # everything after tokenize starts 80 ms later
+                t = t.set_column(0, "Timestamp", pa.array(ts).cast(t.schema.field("Timestamp").type))
+            else:  # TTFT grows by the same 80 ms
+                attrs = t.column("SpanAttributes").to_pylist()
+                for i in np.flatnonzero(hit):
+                    d = dict(attrs[i])
+                    d["gen_ai.latency.time_to_first_token"] = str(float(d["gen_ai.latency.time_to_first_token"]) + shift / 1e9)
+                    attrs[i] = list(d.items())
+                t = t.set_column(11, "SpanAttributes", pa.array(attrs, t.schema.field("SpanAttributes").type))
+        out.append(t)
+    st = open_store(str(tmp_path / "s"))
+    for i, t in enumerate(out):
+        st.insert_spans(t, f"g{i}")
+    df = decompose(st, WIN)
+    row = df.filter(pl.col("trace_id") == victim).row(0, named=True)
+    assert row["gap_host"] == pytest.approx(80_000_000 + 200_000, abs=150_000)  # planted hole + normal IPC gap
+    r = Analyzer(st).analyze(WIN)
+    top_host = r["gaps"]["request"]["host"]["top"][0]
+    assert top_host["trace_id"] == victim
+
+
+def test_analyze_on_the_clickhouse_server_path_gives_the_same_answer(clickhouse, stores):
+    st_emb, truth = stores["queue-surge"]
+    st = open_store(clickhouse.url("synthq"))
+    tables, _ = synth.generate("queue-surge", N, seed=11, start_ns=None)
+    # the same rows as the embedded store holds
+    rows = st_emb.query_arrow("SELECT * EXCEPT (ResourceAttributeItems, SpanAttributeItems) FROM otel_traces")
+    from ttftscope.schemas.columns import ARROW_SCHEMA
+
+    st.insert_spans(rows.cast(ARROW_SCHEMA), "copy")
+    a = Analyzer(st_emb).analyze(WIN)
+    b = Analyzer(st).analyze(WIN)
+    assert b["requests"] == a["requests"] == N
+    assert [f["kind"] for f in b["findings"]] == [f["kind"] for f in a["findings"]]
+    assert b["findings"][0]["size"] == pytest.approx(a["findings"][0]["size"], rel=1e-9)
+    assert b["ttft_ms"] == a["ttft_ms"]
+
+
+def _cli(*args):
+    return subprocess.run([PY, "-m", "ttftscope", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_cli_analyze_json_markdown_and_exit_codes(stores, tmp_path):
+    st, truth = stores["queue-surge"]
+    r = _cli("analyze", "--store", st.url, "--last", "6h", "--json")
+    assert r.returncode == 1, "the queue surge violates the default SLO: exit 1 for CI gates"
+    rep = json.loads(r.stdout)
+    assert rep["schema"] == "ttftscope.report/1"
+    assert {"window", "requests", "ttft_ms", "phases", "tail", "bands", "gaps", "cold_start", "findings", "advice",
+            "slo", "change_points"} <= set(rep)
+    assert rep["findings"][0]["kind"] == "queue_dominates"
+    ok = _cli("analyze", "--store", stores["baseline"][0].url, "--last", "6h", "--markdown")
+    assert ok.returncode == 0 and "| phase |" in ok.stdout and "[1/5]" in ok.stderr
+    empty = _cli("analyze", "--store", st.url, "--since", "2001-01-01T00:00:00Z", "--until", "2001-01-02T00:00:00Z")
+    assert empty.returncode == 0 and "no requests" in empty.stdout
+    for bad, msg in ((["--slo", "p99=abc"], "invalid SLO"), (["--slo", "p42=1"], "unknown SLO quantile"),
+                     (["--last", "yesterday"], "invalid duration"), (["--since", "tomorrow-ish"], "invalid time"),
+                     (["--last", "1h", "--since", "now-2h"], "either --last")):
+        b = _cli("analyze", "--store", st.url, *bad)
+        assert b.returncode == 2 and msg in b.stderr and "Traceback" not in b.stderr, (bad, b.stderr)
+    missing = _cli("analyze", "--store", str(tmp_path / "none"))
+    assert missing.returncode == 2 and "no ttftscope store" in missing.stderr
+
+
+def test_cli_compare_and_filters_are_bound(stores):
+    st, truth = stores["regression"]
+    r = _cli("compare", "--store", st.url, "--last", "6h", "version=0.32.0", "version=0.33.0", "--json")
+    res = json.loads(r.stdout)
+    assert res["significant"][0]["phase"] == "prefill"
+    assert res["phases"]["prefill"]["shift"] == pytest.approx(truth["regression"]["shift"], rel=0.1)
+    evil = _cli("analyze", "--store", st.url, "--last", "6h", "--model", "x' OR 1=1 --", "--json")
+    assert evil.returncode == 0 and json.loads(evil.stdout)["requests"] == 0
+
+
+def test_perfetto_export_is_valid_chrome_trace(stores, tmp_path):
+    st, _ = stores["allreduce-concurrency"]
+    tid = st.query("SELECT TraceId FROM otel_traces WHERE SpanName = 'llm_request' LIMIT 1").item()
+    out = tmp_path / "t.json"
+    r = _cli("export", "perfetto", "--store", st.url, "--trace-id", tid, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    ev = doc["traceEvents"]
+    xs = [e for e in ev if e["ph"] == "X"]
+    n_spans = st.query("SELECT count() FROM otel_traces WHERE TraceId = {t:String}", {"t": tid}).item()
+    assert len(xs) == n_spans and all(e["dur"] >= 0 and e["args"]["trace_id"] == tid for e in xs)
+    assert sum(e["ph"] == "b" for e in ev) == sum(e["ph"] == "e" for e in ev) > 0
+    names = {e["args"]["name"] for e in ev if e["ph"] == "M"}
+    assert {"api-0", "engine-0", "requests"} <= names
