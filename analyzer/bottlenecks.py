@@ -125,7 +125,7 @@ def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[di
         f"SELECT DISTINCT SpanAttributes['{Attr.REQUEST_ID}'] AS request_id FROM otel_traces "
         f"WHERE SpanName = '{SpanName.PREFILL}' AND {Window.time_filter()} "
         f"AND (SpanAttributes['ttftscope.engine'], SpanAttributes['{Attr.STEP}']) IN {{k:Array(Tuple(String, String))}} LIMIT 10",
-        {**window.params(), "k": list(zip(worst["engine"].to_list(), worst["step"].to_list()))})
+        {**window.params(), "k": list(zip(worst["engine"].to_list(), worst["step"].to_list(), strict=True))})
     return [_finding("allreduce_concurrency", sev, per10, "relative per +10 requests", min(per10 * 3, 1.0),
                      f"allreduce time grows {per10:.0%} per +10 concurrent requests (r={r:.2f})",
                      steps=s.height, allreduce_ms_at_min=float(a + b * x.min()) / 1e6,

@@ -251,7 +251,6 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     base = np.repeat(np.concatenate([[0], np.cumsum(service)[:-1]]), nchunks)
     offs = np.cumsum(chunk_dur + wait) - chunk_dur - base
     cstart = start[cid] + offs.astype(np.int64)
-    cend = cstart + chunk_dur
     prefill_end = start + service
     out = (p.output_ms * MS * rng.lognormal(0, 0.2, n)).astype(np.int64)
     ttft = prefill_end + out - arrival
