@@ -39,6 +39,7 @@ def decompose_sql() -> str:
             f"SpanName = {_q(SpanName.OUTPUT)}, {_P_OUT}, {_P_QUEUE})")
     a = lambda k: f"SpanAttributes[{_q(k)}]"  # noqa: E731
     return f"""
+SELECT * EXCEPT (nb, prefill_all) FROM (
 WITH
   (SELECT groupArray((toUnixTimestamp64Nano(Timestamp), toUnixTimestamp64Nano(Timestamp) + toInt64(Duration)))
      FROM otel_traces WHERE SpanName IN ({load_names}) AND {Window.time_filter(86400, 0)}) AS loads,
@@ -118,6 +119,7 @@ FROM (
   FROM reqs AS r LEFT JOIN spans AS sp ON r.TraceId = sp.TraceId
 )
 WHERE ttft > 0
+)
 """
 
 
@@ -126,7 +128,7 @@ def decompose(store, window: Window) -> pl.DataFrame:
     df = store.query(decompose_sql(), window.params())
     if df.height == 0:
         return empty()
-    return df.drop(["nb", "prefill_all"], strict=False).with_columns(
+    return df.with_columns(
         pl.col("coarse").cast(pl.Boolean),
         *[pl.col(c).cast(pl.Int64) for c in ["ttft", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e"]],
     )

@@ -396,8 +396,7 @@ def write(store, scenario: str, n_requests: int, *, seed: int = 0, start_ns: int
     for j, m in enumerate(parts):
         tables, truth = generate(sc, m, seed=seed + j, start_ns=t_end, run=run,
                                  params=replace(sc.params, cold_start_s=sc.params.cold_start_s))
-        for t in tables:
-            store.insert_spans(t, f"synth-{run}-{j}-{id(t)}-{time.time_ns()}")
+        store.insert_spans(pa.concat_tables(tables), f"synth-{run}-{j}-{time.time_ns()}")
         t_end = truth["window"]["start_ns"] - 10**9
         truths.append(truth)
         done += m

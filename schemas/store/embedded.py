@@ -293,8 +293,7 @@ class EmbeddedStore(Store):
             parts = sorted(parts, key=lambda p: p["min_ts"])[: self.merge_factor]
             if sum(p["rows"] for p in parts) > self.max_part_rows:
                 continue
-            tables = [pq.read_table(self.parts_dir / f"{p['name']}.parquet") for p in parts]
-            merged = self._write_part(pa.concat_tables(tables), level + 1)
+            merged = self._merge_parts(parts, level + 1)
             names = {p["name"] for p in parts}
             with self._locked() as m2:
                 live = {p["name"] for p in m2["parts"]}
@@ -306,6 +305,33 @@ class EmbeddedStore(Store):
                 self._write_manifest(m2)
             return True
         return False
+
+    def _merge_parts(self, parts: list[dict], level: int) -> dict:
+        """Merge parts into one. Parts whose time ranges do not overlap (the usual case: one
+        flush after another) are streamed row group by row group, so memory stays at one
+        row group; overlapping ones are read and sorted together."""
+        paths = [self.parts_dir / f"{p['name']}.parquet" for p in parts]
+        disjoint = all(b["min_ts"] >= a["max_ts"] for a, b in zip(parts, parts[1:], strict=False))
+        if not disjoint:
+            return self._write_part(pa.concat_tables([pq.read_table(p) for p in paths]), level)
+        rows = sum(p["rows"] for p in parts)
+        lo, hi = parts[0]["min_ts"], max(p["max_ts"] for p in parts)
+        name = f"{lo // NS_PER_DAY}-L{level}-{uuid.uuid4().hex}"
+        final, tmp = self.parts_dir / f"{name}.parquet", self.parts_dir / f".{name}.tmp"
+        with pq.ParquetWriter(tmp, ARROW_SCHEMA, compression="zstd", compression_level=1, write_statistics=True,
+                              bloom_filter_options={"TraceId": {"ndv": max(rows, 1), "fpp": 0.01}}) as w:
+            for path in paths:
+                f = pq.ParquetFile(path)
+                for batch in f.iter_batches(batch_size=self.row_group_size):
+                    w.write_batch(batch, row_group_size=self.row_group_size)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        return {"name": name, "rows": rows, "min_ts": lo, "max_ts": hi, "day": lo // NS_PER_DAY, "level": level,
+                "bytes": final.stat().st_size, "created": time.time()}
 
     def apply_retention(self, days: float) -> int:
         cutoff = time.time_ns() - int(days * NS_PER_DAY)
