@@ -20,8 +20,12 @@ def _q(s: str) -> str:
 def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
     names = ", ".join(_q(n) for n in sorted(VLLM_SPAN_PHASE))
     df = store.query(f"""
-        SELECT TraceId AS trace, SpanName AS name, toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e,
-               ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}] AS instance,
+        SELECT concat(TraceId, '/', if(ResourceAttributes['process.pid'] != '', ResourceAttributes['process.pid'],
+                                         ResourceAttributes['vllm.process_id'])) AS trace,
+               SpanName AS name, toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e,
+               multiIf(ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}] != '', ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}],
+                       ResourceAttributes['vllm.process_name'] != '', ResourceAttributes['vllm.process_name'],
+                       ResourceAttributes['process.pid']) AS instance,
                ResourceAttributes[{_q(ResourceAttr.ROLE)}] AS role,
                ServiceName AS service
         FROM otel_traces
@@ -66,7 +70,7 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
         dur = (r["ready"] - r["p0"]) / 1e9
         busy_s = (r["busy"] or 0) / 1e9
         out.append({
-            "instance": r["instance"] or r["service"], "role": r["role"], "trace_id": r["trace"],
+            "instance": r["instance"] or r["service"], "role": r["role"], "trace_id": r["trace"].split("/")[0],
             "cold_start_s": dur, "target_s": target_s, "over_target": dur > target_s,
             "phases_s": phase_map.get(r["trace"], {}),
             "idle_s": max(dur - busy_s, 0.0), "idle_share": max(dur - busy_s, 0.0) / dur if dur > 0 else 0.0,

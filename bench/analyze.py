@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from ttftscope.analyzer import synth
 from ttftscope.analyzer.window import Window
 from ttftscope.schemas.store import open_store

