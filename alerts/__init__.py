@@ -1,1 +1,1 @@
-"""ttftscope alerts (see the issues: built on the data path)."""
+"""Warning: the SLO file, Prometheus rules (+ promtool tests) and Alertmanager config."""

@@ -42,3 +42,6 @@ class CollectorMetrics:
             registry=r,
         )
         self.store_up.set(1)
+        from .phase_metrics import PhaseMetrics
+
+        self.phases = PhaseMetrics(r)

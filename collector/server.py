@@ -180,6 +180,10 @@ class _Handler(BaseHTTPRequestHandler):
                 log.exception("cannot spool a batch")
                 self._error(503, f"cannot persist the batch: {e}", kind, {"Retry-After": "5"})
                 return
+            try:
+                m.phases.observe(table)
+            except Exception:  # noqa: BLE001 - metrics must never fail an accepted request
+                log.exception("phase metrics failed for a batch")
         ctype = "application/x-protobuf" if kind == "protobuf" else "application/json"
         self._send(200, encode_response(report, kind), ctype)
 

@@ -1,1 +1,1 @@
-"""ttftscope dashboards (see the issues: built on the data path)."""
+"""Showing: the Streamlit web UI and the generated Grafana dashboards."""

@@ -133,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--seed", type=int, default=0)
     sy.add_argument("--truth", default=None, metavar="FILE", help="write the planted ground truth (JSON) here")
 
+    al = sub.add_parser("alerts", help="Prometheus rules, promtool tests and Alertmanager config from an SLO file")
+    al_sub = al.add_subparsers(dest="alerts_cmd", required=True)
+    ag = al_sub.add_parser("generate")
+    ag.add_argument("--slo", default=None, help="SLO YAML (default: built-in defaults; see alerts/slo.example.yaml)")
+    ag.add_argument("--out", required=True, help="output directory")
+
+    gr = sub.add_parser("grafana", help="Grafana dashboards and provisioning")
+    gr_sub = gr.add_subparsers(dest="grafana_cmd", required=True)
+    gg = gr_sub.add_parser("generate")
+    gg.add_argument("--out", required=True)
+    gg.add_argument("--slo", default=None, help="take the TTFT SLO lines from this SLO file")
+    gg.add_argument("--prometheus-url", default="http://localhost:9090")
+    gg.add_argument("--clickhouse", default="localhost:8123/default", metavar="HOST:PORT/DB")
+
     d = sub.add_parser("demo", help="the main job on the embedded store (grows with each part)")
     _store_arg(d)
     d.add_argument("--requests", type=int, default=200, help="request traces to send (default 200)")
@@ -355,6 +369,50 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def _load_slo_or_fail(path, cmd: str):
+    from ttftscope.alerts.slo_file import SLO, SLOFileError, load_slo
+
+    if not path:
+        return SLO()
+    try:
+        return load_slo(path)
+    except SLOFileError as e:
+        print(f"ttftscope {cmd}: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_alerts(a) -> int:
+    from ttftscope.alerts.rules import generate
+
+    slo = _load_slo_or_fail(a.slo, "alerts")
+    if slo is None:
+        return 2
+    for p in generate(slo, a.out):
+        print(f"wrote {p}")
+    print("check with: promtool check rules {0}/ttftscope-rules.yml && promtool test rules {0}/ttftscope-rules.test.yml "
+          "&& amtool check-config {0}/alertmanager.yml".format(a.out))
+    return 0
+
+
+def cmd_grafana(a) -> int:
+    from ttftscope.dashboards.grafana import generate
+
+    slo = _load_slo_or_fail(a.slo, "grafana")
+    if slo is None:
+        return 2
+    hostport, _, dbname = a.clickhouse.partition("/")
+    host, _, port = hostport.partition(":")
+    try:
+        paths = generate(a.out, targets_ms=slo.ttft_targets_ms, prometheus_url=a.prometheus_url, ch_host=host or "localhost",
+                         ch_port=int(port or 8123), ch_db=dbname or "default")
+    except ValueError as e:
+        print(f"ttftscope grafana: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
 def cmd_demo(a) -> int:
     from ttftscope.demo import run_demo
     from ttftscope.schemas.store import StoreError, default_store_url
@@ -371,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
-            "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth}[a.command](a)
+            "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
+            "grafana": cmd_grafana}[a.command](a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""The SLO file: one YAML document that alerts and dashboards are generated from.
+
+``load_slo(path)`` validates it and raises :class:`SLOFileError` naming the file, the line
+and what is wrong. See ``alerts/slo.example.yaml`` for every key with its default.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
+_DURATION = re.compile(r"^\d+(ms|s|m|h|d|w)$")
+
+
+class SLOFileError(ValueError):
+    pass
+
+
+@dataclass
+class SLO:
+    ttft_targets_ms: dict[str, float] = field(default_factory=lambda: {"p50": 350.0, "p95": 600.0, "p99": 800.0})
+    ttft_models: dict[str, dict[str, float]] = field(default_factory=dict)
+    ttft_priorities: dict[str, dict[str, float]] = field(default_factory=dict)
+    queue_priority_p99_ms: float = 200.0
+    queue_max_share: float = 0.5
+    cold_start_max_s: float = 90.0
+    allreduce_p99_ms: float = 50.0
+    tpot_p99_ms: float = 100.0
+    itl_p99_ms: float = 100.0
+    budget_objective: float = 0.99
+    budget_threshold_ms: float = 800.0
+    budget_window: str = "30d"
+    alert_for: str = "5m"
+    ui_url: str = "http://localhost:8501"
+    runbook_url: str = "https://github.com/ttftscope/ttftscope/blob/main/alerts/RUNBOOK.md"
+    webhook_url: str = "http://127.0.0.1:5001/alerts"
+    group_wait: str = "30s"
+    collector_max_queue_spans: int = 100_000
+    scale_out_kv_usage: float = 0.8
+
+
+# key -> (kind, attribute or nested schema); kinds: num, pos, frac, str, dur, qmap, qmapmap, url
+_SCHEMA: dict = {
+    "version": ("int1", None),
+    "ttft": ("map", {"targets_ms": ("qmap", "ttft_targets_ms"), "models": ("qmapmap", "ttft_models"),
+                     "priorities": ("qmapmap", "ttft_priorities")}),
+    "queue_wait": ("map", {"priority_p99_ms": ("pos", "queue_priority_p99_ms"), "max_share": ("frac", "queue_max_share")}),
+    "cold_start": ("map", {"max_s": ("pos", "cold_start_max_s")}),
+    "allreduce": ("map", {"p99_ms": ("pos", "allreduce_p99_ms")}),
+    "tpot": ("map", {"p99_ms": ("pos", "tpot_p99_ms")}),
+    "itl": ("map", {"p99_ms": ("pos", "itl_p99_ms")}),
+    "error_budget": ("map", {"objective": ("frac", "budget_objective"), "threshold_ms": ("pos", "budget_threshold_ms"),
+                             "window": ("dur", "budget_window")}),
+    "alerts": ("map", {"for": ("dur", "alert_for"), "ui_url": ("url", "ui_url"), "runbook_url": ("url", "runbook_url"),
+                       "webhook_url": ("url", "webhook_url"), "group_wait": ("dur", "group_wait")}),
+    "collector": ("map", {"max_queue_spans": ("pos", "collector_max_queue_spans")}),
+    "scale_out": ("map", {"kv_cache_usage": ("frac", "scale_out_kv_usage")}),
+}
+
+
+def _err(path: str, node, msg: str) -> SLOFileError:
+    line = node.start_mark.line + 1 if node is not None else 1
+    return SLOFileError(f"{path}:{line}: {msg}")
+
+
+def _scalar(path: str, node, kind: str, where: str):
+    if not isinstance(node, yaml.ScalarNode):
+        raise _err(path, node, f"{where}: expected a single value, got a {'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}")
+    v = yaml.safe_load(yaml.serialize(node))
+    if kind in ("num", "pos", "frac", "int1"):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _err(path, node, f"{where}: expected a number, got {v!r}")
+        if kind == "pos" and not v > 0:
+            raise _err(path, node, f"{where}: must be > 0, got {v}")
+        if kind == "frac" and not 0 < v < 1:
+            raise _err(path, node, f"{where}: must be between 0 and 1 (exclusive), got {v}")
+        if kind == "int1" and v != 1:
+            raise _err(path, node, f"{where}: only version 1 is known, got {v}")
+        return float(v)
+    if kind == "dur":
+        if not isinstance(v, str) or not _DURATION.match(v):
+            raise _err(path, node, f"{where}: expected a duration like 30s, 5m, 1h or 30d, got {v!r}")
+        return v
+    if kind == "url":
+        if not isinstance(v, str) or not re.match(r"^https?://", v):
+            raise _err(path, node, f"{where}: expected an http(s) URL, got {v!r}")
+        return v
+    return v
+
+
+def _qmap(path: str, node, where: str) -> dict[str, float]:
+    if not isinstance(node, yaml.MappingNode):
+        raise _err(path, node, f"{where}: expected a mapping of quantile -> milliseconds, e.g. {{p99: 800}}")
+    out = {}
+    for k, v in node.value:
+        if k.value not in QUANTILES:
+            raise _err(path, k, f"{where}: unknown quantile {k.value!r} (use {', '.join(QUANTILES)})")
+        out[k.value] = _scalar(path, v, "pos", f"{where}.{k.value}")
+    return out
+
+
+def load_slo(path: str | Path) -> SLO:
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SLOFileError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else 1
+        raise SLOFileError(f"{path}:{line}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    slo = SLO()
+    if root is None:
+        return slo
+    if not isinstance(root, yaml.MappingNode):
+        raise _err(path, root, "the SLO file must be a mapping (key: value)")
+    for k, v in root.value:
+        if k.value not in _SCHEMA:
+            raise _err(path, k, f"unknown key {k.value!r} (known: {', '.join(_SCHEMA)})")
+        kind, sub = _SCHEMA[k.value]
+        if kind == "int1":
+            _scalar(path, v, "int1", k.value)
+            continue
+        if not isinstance(v, yaml.MappingNode):
+            raise _err(path, v, f"{k.value}: expected a mapping")
+        for k2, v2 in v.value:
+            if k2.value not in sub:
+                raise _err(path, k2, f"{k.value}: unknown key {k2.value!r} (known: {', '.join(sub)})")
+            kind2, attr = sub[k2.value]
+            where = f"{k.value}.{k2.value}"
+            if kind2 == "qmap":
+                setattr(slo, attr, {**getattr(slo, attr), **_qmap(path, v2, where)})
+            elif kind2 == "qmapmap":
+                if not isinstance(v2, yaml.MappingNode):
+                    raise _err(path, v2, f"{where}: expected a mapping of name -> {{quantile: ms}}")
+                setattr(slo, attr, {str(n.value): _qmap(path, q, f"{where}.{n.value}") for n, q in v2.value})
+            else:
+                setattr(slo, attr, _scalar(path, v2, kind2, where))
+    return slo

@@ -1,0 +1,104 @@
+"""Phase metrics derived from spans as they arrive (what vLLM's own metrics cannot show).
+
+Histograms are kept as numpy bucket counts per label set and filled a whole batch at a
+time (``np.searchsorted`` + ``np.bincount``), then exposed through prometheus-client as a
+custom collector: no Python call per span.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+from ttftscope.schemas import metrics as M
+from ttftscope.schemas.vocabulary import OWN_SPAN_PHASE, Attr, ResourceAttr, SpanName
+
+
+class _Hist:
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], buckets=M.SECONDS_BUCKETS) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.edges = np.asarray(buckets, dtype=float)
+        self.data: dict[tuple, list] = {}  # labels -> [bucket counts (len+1), sum]
+
+    def observe(self, df: pl.DataFrame, value: str) -> None:
+        if df.height == 0:
+            return
+        for key, g in df.group_by(list(self.labels), maintain_order=True):
+            v = g[value].to_numpy()
+            idx = np.searchsorted(self.edges, v, side="left")  # le semantics: v <= edge
+            counts = np.bincount(idx, minlength=len(self.edges) + 1)
+            k = tuple(str(x) for x in (key if isinstance(key, tuple) else (key,)))
+            cur = self.data.setdefault(k, [np.zeros(len(self.edges) + 1, dtype=np.int64), 0.0])
+            cur[0] += counts
+            cur[1] += float(v.sum())
+
+    def collect(self):
+        m = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        for k, (counts, total) in sorted(self.data.items()):
+            cum = np.cumsum(counts)
+            buckets = [(repr(float(e)), int(c)) for e, c in zip(self.edges, cum[:-1], strict=True)]
+            buckets.append(("+Inf", int(cum[-1])))
+            m.add_metric(list(k), buckets, total)
+        return m
+
+
+def _lookup(col: pa.ChunkedArray, key: str) -> pa.Array:
+    return pc.fill_null(pc.map_lookup(col, key, "first"), "")
+
+
+class PhaseMetrics:
+    """Register on a registry; call :meth:`observe` with each accepted span batch."""
+
+    def __init__(self, registry) -> None:
+        self._lock = threading.Lock()
+        self.phase = _Hist(M.PHASE_DURATION, "Duration of TTFT phase spans", ("phase", "model", "priority"))
+        self.ttft = _Hist(M.TTFT, "TTFT of requests (from llm_request spans)", ("model", "priority"))
+        self.allreduce = _Hist(M.ALLREDUCE, "Tensor-parallel collective time per engine step and rank", ("rank",))
+        self.cold: dict[tuple, float] = {}
+        registry.register(self)
+
+    def observe(self, table: pa.Table) -> None:
+        names = table.column("SpanName")
+        wanted = pc.is_in(names, pa.array(list(OWN_SPAN_PHASE) + [SpanName.REQUEST, SpanName.PROCESS_START]))
+        t = table.filter(wanted)
+        if t.num_rows == 0:
+            return
+        sa, ra = t.column("SpanAttributes"), t.column("ResourceAttributes")
+        model = pc.if_else(pc.not_equal(_lookup(sa, Attr.MODEL), ""), _lookup(sa, Attr.MODEL), _lookup(ra, ResourceAttr.MODEL))
+        df = pl.DataFrame({
+            "name": t.column("SpanName").to_numpy(zero_copy_only=False),
+            "seconds": t.column("Duration").to_numpy().astype(float) / 1e9,
+            "model": model.to_numpy(zero_copy_only=False),
+            "priority": _lookup(sa, Attr.PRIORITY).to_numpy(zero_copy_only=False),
+            "rank": _lookup(sa, Attr.RANK).to_numpy(zero_copy_only=False),
+            "ttft": _lookup(sa, Attr.VLLM_TTFT).to_numpy(zero_copy_only=False),
+            "instance": _lookup(ra, ResourceAttr.SERVICE_INSTANCE).to_numpy(zero_copy_only=False),
+            "role": _lookup(ra, ResourceAttr.ROLE).to_numpy(zero_copy_only=False),
+        }).with_columns(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="").alias("phase"))
+        with self._lock:
+            self.phase.observe(df.filter((pl.col("phase") != "") & (pl.col("name") != SpanName.ALLREDUCE_CALL)),
+                               "seconds")
+            req = df.filter(pl.col("name") == SpanName.REQUEST).with_columns(
+                pl.col("ttft").cast(pl.Float64, strict=False).alias("ttft_s")).filter(pl.col("ttft_s").is_not_null())
+            self.ttft.observe(req, "ttft_s")
+            self.allreduce.observe(df.filter(pl.col("name") == SpanName.ALLREDUCE), "seconds")
+            for r in df.filter(pl.col("name") == SpanName.PROCESS_START).iter_rows(named=True):  # a few per start
+                self.cold[(r["instance"], r["role"])] = r["seconds"]
+
+    def collect(self):
+        with self._lock:
+            yield self.phase.collect()
+            yield self.ttft.collect()
+            yield self.allreduce.collect()
+            g = GaugeMetricFamily(M.COLD_START, "Process start to ready (cold start)", labels=["instance", "role"])
+            for (inst, role), v in sorted(self.cold.items()):
+                g.add_metric([inst, role], v)
+            yield g
+
+    def describe(self):
+        return []

@@ -1,0 +1,35 @@
+"""Prometheus metric names and buckets, defined once (collector, alerts, dashboards, UI).
+
+vLLM's own metric names are listed here too (counters are exported with ``_total``).
+"""
+
+from __future__ import annotations
+
+# --- derived from spans by the ttftscope collector ------------------------------------
+PHASE_DURATION = "ttftscope_phase_duration_seconds"  # histogram {phase, model, priority}
+TTFT = "ttftscope_ttft_seconds"  # histogram {model, priority}, from llm_request spans
+ALLREDUCE = "ttftscope_allreduce_seconds"  # histogram {rank}, per step and rank
+COLD_START = "ttftscope_cold_start_seconds"  # gauge {instance, role}
+# buckets resolve 0.1, 0.3, 0.5 and 1 s, and the default SLO targets 0.35 / 0.6 / 0.8 s
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.35, 0.4, 0.5, 0.6, 0.75, 0.8,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# --- the collector's own health ---------------------------------------------------------
+COLLECTOR = "ttftscope_collector"
+SPANS_DROPPED = f"{COLLECTOR}_spans_dropped_total"
+SPANS_RECEIVED = f"{COLLECTOR}_spans_received_total"
+QUEUE_SPANS = f"{COLLECTOR}_queue_spans"
+STORE_UP = f"{COLLECTOR}_store_up"
+
+# --- vLLM's own (API server /metrics; labels model_name, engine) --------------------------
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
+VLLM_ITL = "vllm:inter_token_latency_seconds"
+VLLM_TPOT = "vllm:request_time_per_output_token_seconds"
+VLLM_E2E = "vllm:e2e_request_latency_seconds"
+VLLM_QUEUE = "vllm:request_queue_time_seconds"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_SUCCESS = "vllm:request_success_total"
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
