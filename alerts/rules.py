@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-
 from ttftscope.schemas import metrics as M
 
 from .slo_file import QUANTILES, SLO
@@ -246,8 +245,8 @@ def _bad_value(a: AlertDef) -> float | None:
 
 
 def _go_g4(v: float) -> str:
-    s = "%.4g" % v
-    return s
+    """Go's %.4g (what Prometheus' humanize functions print)."""
+    return f"{v:.4g}"
 
 
 def humanize_duration(v: float) -> str:

@@ -14,7 +14,6 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
-
 from ttftscope.schemas import metrics as M
 from ttftscope.schemas.vocabulary import OWN_SPAN_PHASE, Attr, ResourceAttr, SpanName
 

@@ -20,7 +20,6 @@ from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as dm
-
 from ttftscope.schemas import metrics as M
 from ttftscope.schemas.vocabulary import PHASES, Attr, ResourceAttr, SpanName, phase_sql
 

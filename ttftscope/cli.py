@@ -389,8 +389,8 @@ def cmd_alerts(a) -> int:
         return 2
     for p in generate(slo, a.out):
         print(f"wrote {p}")
-    print("check with: promtool check rules {0}/ttftscope-rules.yml && promtool test rules {0}/ttftscope-rules.test.yml "
-          "&& amtool check-config {0}/alertmanager.yml".format(a.out))
+    print(f"check with: promtool check rules {a.out}/ttftscope-rules.yml && promtool test rules {a.out}/ttftscope-rules.test.yml "
+          f"&& amtool check-config {a.out}/alertmanager.yml")
     return 0
 
 
