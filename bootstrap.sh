@@ -30,10 +30,26 @@ else
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
+# Debian tools the tests drive for real: promtool + Prometheus, amtool + Alertmanager,
+# headless Chromium for the UI checks.
+debian_tools() {
+  local missing=()
+  command -v promtool >/dev/null || missing+=(prometheus)
+  command -v amtool >/dev/null || missing+=(prometheus-alertmanager)
+  command -v chromium >/dev/null || missing+=(chromium chromium-driver)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "==> installing Debian packages: ${missing[*]}"
+  local SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
 case "$what" in
   setup) echo "==> ready: .venv/bin/ttftscope --help" ;;
   demo) exec .venv/bin/ttftscope demo "$@" ;;
   test)
+    debian_tools
     echo "==> ruff"
     .venv/bin/ruff check .
     echo "==> pytest"

@@ -52,7 +52,7 @@ class ClickHouseQuery(cogbuilder.Builder[cogvariants.Dataquery]):
 
 
 def _prom(expr: str, legend: str, ref: str = "A") -> prometheus.Dataquery:
-    return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref)
+    return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(PROM)
 
 
 def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:

@@ -1,0 +1,286 @@
+"""Alerts and dashboards, checked by the real tools: promtool, amtool, Prometheus, Alertmanager."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from conftest import PY, ROOT, CollectorProc, VllmServer, free_port
+
+from ttftscope.alerts.rules import generate as gen_rules
+from ttftscope.alerts.slo_file import SLOFileError, load_slo
+from ttftscope.analyzer import synth
+from ttftscope.dashboards.grafana import expand_clickhouse_macros, generate as gen_grafana, panel_queries
+from ttftscope.schemas.store import open_store
+from ttftscope.tinymodel import prompt_of
+
+EXAMPLE = ROOT / "alerts" / "slo.example.yaml"
+
+
+def _tool(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alerts")
+    r = subprocess.run([PY, "-m", "ttftscope", "alerts", "generate", "--slo", str(EXAMPLE), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_promtool_checks_and_unit_tests_pass(generated):
+    r = _tool("promtool", "check", "rules", str(generated / "ttftscope-rules.yml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    t = _tool("promtool", "test", "rules", "ttftscope-rules.test.yml", cwd=generated)
+    assert t.returncode == 0, t.stdout + t.stderr
+    rules = yaml.safe_load((generated / "ttftscope-rules.yml").read_text())
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    tests = yaml.safe_load((generated / "ttftscope-rules.test.yml").read_text())["tests"]
+    for a in alerts:
+        assert a["labels"]["severity"] in ("critical", "warning")
+        assert {"summary", "description", "runbook_url", "dashboard"} <= set(a["annotations"])
+        names = [tc["alert_rule_test"][0]["alertname"] for tc in tests]
+        assert names.count(a["alert"]) == 2, f"{a['alert']}: one firing and one silent test"
+    for needed in ("TTFTP99AboveTarget", "TTFTErrorBudgetBurnFast", "TTFTErrorBudgetBurnSlow", "TTFTQueueWaitShareHigh",
+                   "PriorityQueueWaitHigh", "AllreduceLatencyHigh", "ColdStartSlow", "CollectorDroppingSpans",
+                   "CollectorStoreDown", "TTFTTracksLoadScaleOut", "TTFTP99AboveTargetModel", "TTFTP99AboveTargetPriority"):
+        assert needed in {a["alert"] for a in alerts}
+
+
+def test_unit_tests_catch_a_broken_rule(generated, tmp_path):
+    """The generated tests can fail: make every threshold 1000x laxer and they must."""
+    import re
+
+    for f in ("ttftscope-rules.yml", "ttftscope-rules.test.yml"):
+        shutil.copy(generated / f, tmp_path / f)
+    rules = (tmp_path / "ttftscope-rules.yml").read_text()
+    rules = re.sub(r"(expr: .*?histogram_quantile\(.*\) > )([0-9.]+)", lambda m: m.group(1) + str(float(m.group(2)) * 1000), rules)
+    (tmp_path / "ttftscope-rules.yml").write_text(rules)
+    t = _tool("promtool", "test", "rules", "ttftscope-rules.test.yml", cwd=tmp_path)
+    assert t.returncode != 0 and "FAILED" in (t.stdout + t.stderr)
+
+
+def test_alertmanager_config_and_routes(generated):
+    am = str(generated / "alertmanager.yml")
+    assert _tool("amtool", "check-config", am).returncode == 0
+    crit = _tool("amtool", "config", "routes", "test", f"--config.file={am}", "severity=critical")
+    warn = _tool("amtool", "config", "routes", "test", f"--config.file={am}", "severity=warning")
+    assert crit.stdout.strip() == "ttftscope-critical" and warn.stdout.strip() == "ttftscope-webhook"
+    cfg = yaml.safe_load(Path(am).read_text())
+    inh = cfg["inhibit_rules"][0]
+    assert inh["source_matchers"] == ['severity="critical"'] and inh["target_matchers"] == ['severity="warning"']
+
+
+@pytest.mark.parametrize("text, line, msg", [
+    ("version: 1\nttft:\n  targets_ms: {p50: 350, p97: 2}\n", 3, "unknown quantile 'p97'"),
+    ("version: 1\nttft:\n  targets_ms:\n    p99: -5\n", 4, "must be > 0"),
+    ("version: 1\nqueue_wait:\n  max_share: 1.5\n", 3, "between 0 and 1"),
+    ("version: 1\nalerts:\n  for: five minutes\n", 3, "expected a duration"),
+    ("version: 1\nnonsense: 1\n", 2, "unknown key 'nonsense'"),
+    ("version: 2\n", 1, "only version 1"),
+    ("version: 1\nttft: [1, 2]\n", 2, "expected a mapping"),
+    ("version: 1\nttft:\n  targets_ms: {p50: 350\n", 4, "not valid YAML"),
+    ("version: 1\nalerts:\n  webhook_url: ftp://x\n", 3, "http(s) URL"),
+])
+def test_malformed_slo_file_names_file_line_and_problem(tmp_path, text, line, msg):
+    f = tmp_path / "slo.yaml"
+    f.write_text(text)
+    with pytest.raises(SLOFileError) as e:
+        load_slo(f)
+    assert str(e.value).startswith(f"{f}:{line}: ") and msg in str(e.value), str(e.value)
+    r = subprocess.run([PY, "-m", "ttftscope", "alerts", "generate", "--slo", str(f), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and f"{f}:{line}:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_phase_metrics_on_the_collector_match_the_spans_sent(collector_factory):
+    """Spans of a synthetic workload sent over OTLP: /metrics counts exactly what was sent."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ttftscope.collector.otlp import SpanBatchBuilder  # noqa: F401
+    tables, truth = synth.generate("allreduce-concurrency", 300, seed=4)
+    t = pa.concat_tables(tables)
+    col = collector_factory().start()
+    # encode the generated spans as OTLP JSON, as any SDK would send them
+    rows = t.select(["Timestamp", "TraceId", "SpanId", "SpanName", "Duration", "SpanAttributes", "ResourceAttributes"]).to_pylist()
+    by_res: dict = {}
+    for r in rows:
+        key = tuple(sorted(r["ResourceAttributes"]))
+        start = int(r["Timestamp"].timestamp() * 1e9) if hasattr(r["Timestamp"], "timestamp") else int(r["Timestamp"])
+        by_res.setdefault(key, []).append({
+            "traceId": r["TraceId"], "spanId": r["SpanId"], "name": r["SpanName"], "startTimeUnixNano": str(start),
+            "endTimeUnixNano": str(start + r["Duration"]),
+            "attributes": [{"key": k, "value": {"stringValue": v}} for k, v in r["SpanAttributes"]]})
+    for key, spans in by_res.items():
+        for i in range(0, len(spans), 2000):
+            doc = {"resourceSpans": [{"resource": {"attributes": [{"key": k, "value": {"stringValue": v}} for k, v in key]},
+                                      "scopeSpans": [{"spans": spans[i:i + 2000]}]}]}
+            assert requests.post(col.url + "/v1/traces", json=doc, timeout=30).status_code == 200
+    text = requests.get(col.url + "/metrics", timeout=10).text
+    names = t.column("SpanName")
+
+    def count(name):
+        return int(pc.sum(pc.equal(names, name)).as_py())
+
+    def metric(prefix, **labels):
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(prefix + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    assert metric("ttftscope_phase_duration_seconds_count", phase="queue") == count("ttftscope.queue")
+    assert metric("ttftscope_phase_duration_seconds_count", phase="prefill") == count("ttftscope.prefill")
+    assert metric("ttftscope_phase_duration_seconds_bucket", phase="queue", le="+Inf") == count("ttftscope.queue")
+    assert metric("ttftscope_ttft_seconds_count") == truth["requests"]
+    assert metric("ttftscope_allreduce_seconds_count", rank="1") == count("ttftscope.allreduce") / 2
+    q_sum = float(pc.sum(t.filter(pc.equal(names, "ttftscope.queue")).column("Duration")).as_py()) / 1e9
+    assert metric("ttftscope_phase_duration_seconds_sum", phase="queue") == pytest.approx(q_sum, rel=1e-9)
+    assert metric("ttftscope_cold_start_seconds", instance="worker-0") == pytest.approx(truth["cold_start"]["worker-0"]["cold_start_s"])
+    # buckets resolve the thresholds that matter
+    les = {line.split('le="')[1].split('"')[0] for line in text.splitlines() if line.startswith("ttftscope_phase_duration_seconds_bucket")}
+    assert {"0.1", "0.3", "0.5", "1.0"} <= les
+    assert col.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def grafana_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grafana")
+    r = subprocess.run([PY, "-m", "ttftscope", "grafana", "generate", "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_grafana_dashboards_are_importable_files_with_stable_uids(grafana_out):
+    docs = {p.name: json.loads(p.read_text()) for p in (grafana_out / "dashboards").glob("*.json")}
+    assert {d["uid"] for d in docs.values()} == {"ttftscope-overview", "ttftscope-breakdown", "ttftscope-coldstart"}
+    for d in docs.values():
+        assert d["schemaVersion"] >= 41
+        ds_vars = [v for v in d["templating"]["list"] if v["type"] == "datasource"]
+        assert ds_vars, "datasources are dashboard variables"
+        for _, t in panel_queries(d):
+            assert t["datasource"]["uid"] in ("${prometheus}", "${clickhouse}")
+    prov = yaml.safe_load((grafana_out / "provisioning" / "dashboards" / "ttftscope.yaml").read_text())
+    assert Path(prov["providers"][0]["options"]["path"]).is_dir()
+    ds = yaml.safe_load((grafana_out / "provisioning" / "datasources" / "ttftscope.yaml").read_text())
+    ch = next(x for x in ds["datasources"] if x["type"] == "grafana-clickhouse-datasource")
+    assert ch["jsonData"]["traces"]["otelEnabled"] is True and ch["jsonData"]["traces"]["durationUnit"] == "nanoseconds"
+
+
+def test_every_clickhouse_panel_query_returns_rows_on_a_synth_store(grafana_out, tmp_path):
+    st = open_store(str(tmp_path / "s"))
+    truth = synth.write(st, "allreduce-concurrency", 2000, seed=2)
+    tid = st.query("SELECT TraceId FROM otel_traces WHERE SpanName = 'llm_request' LIMIT 1").item()
+    lo, hi = truth["window"]["start_ns"] // 10**9 - 120, truth["window"]["end_ns"] // 10**9 + 60
+    n = 0
+    for f in (grafana_out / "dashboards").glob("*.json"):
+        for title, t in panel_queries(json.loads(f.read_text())):
+            if t["datasource"]["type"] != "grafana-clickhouse-datasource":
+                continue
+            sql = expand_clickhouse_macros(t["rawSql"], lo, hi, 10, {"trace_id": tid})
+            if "Start-up" in title:  # cold start spans precede the requests
+                sql = expand_clickhouse_macros(t["rawSql"], lo - 3600, hi, 10)
+            rows = st.query(sql)
+            assert rows.height > 0, f"{f.name}: {title!r} returned no rows"
+            n += 1
+    assert n >= 5
+
+
+def test_every_promql_expression_is_valid_for_promtool(grafana_out, generated, tmp_path):
+    exprs = []
+    for f in (grafana_out / "dashboards").glob("*.json"):
+        for _, t in panel_queries(json.loads(f.read_text())):
+            if "expr" in t:
+                exprs.append(t["expr"].replace("$__rate_interval", "5m").replace("$model_name", ".*").replace("$instance", ".*"))
+    assert len(exprs) >= 10
+    doc = {"groups": [{"name": "dashboard-exprs", "rules": [{"record": f"dash:expr_{i}", "expr": e} for i, e in enumerate(exprs)]}]}
+    p = tmp_path / "exprs.yml"
+    p.write_text(yaml.safe_dump(doc))
+    r = _tool("promtool", "check", "rules", str(p))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+class _Webhook(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        _Webhook.received.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+def test_end_to_end_prometheus_evaluates_rules_and_alertmanager_delivers(tmp_path):
+    """Real Prometheus scrapes real vLLM + the collector; the TTFT alert reaches a webhook."""
+    hook = ThreadingHTTPServer(("127.0.0.1", 0), _Webhook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    _Webhook.received = []
+    slo = tmp_path / "slo.yaml"
+    slo.write_text(f"""version: 1
+ttft:
+  targets_ms: {{p50: 0.5}}
+alerts:
+  for: 0s
+  group_wait: 1s
+  webhook_url: http://127.0.0.1:{hook.server_address[1]}/alerts
+""")
+    out = tmp_path / "rules"
+    assert subprocess.run([PY, "-m", "ttftscope", "alerts", "generate", "--slo", str(slo), "--out", str(out)],
+                          cwd=ROOT).returncode == 0
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="e2e").start()
+    am_port, prom_port = free_port(), free_port()
+    procs = []
+    try:
+        procs.append(subprocess.Popen([shutil.which("alertmanager") or "prometheus-alertmanager", f"--config.file={out / 'alertmanager.yml'}",
+                                       f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
+                                       "--cluster.listen-address="], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        (tmp_path / "prom.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(out / "ttftscope-rules.yml")],
+            "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": [f"127.0.0.1:{srv.port}"]}]},
+                               {"job_name": "ttftscope", "static_configs": [{"targets": [f"127.0.0.1:{col.port}"]}]}],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]}}))
+        procs.append(subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prom.yml'}",
+                                       f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.time() + 150
+        got = None
+        i = 0
+        while time.time() < deadline and got is None:
+            srv.completion(prompt_of(30, i), 4)
+            i += 1
+            time.sleep(0.5)
+            for msg in _Webhook.received:
+                for a in msg.get("alerts", []):
+                    if a["labels"].get("alertname") == "TTFTP50AboveTarget" and a["status"] == "firing":
+                        got = a
+        assert got is not None, f"no TTFT alert delivered; webhook got {_Webhook.received}"
+        assert got["labels"]["severity"] == "critical" and got["labels"]["model_name"]
+        assert got["annotations"]["runbook_url"].endswith("#ttftp50abovetarget")
+        # the phase metrics reached Prometheus from the collector too
+        q = requests.get(f"http://127.0.0.1:{prom_port}/api/v1/query",
+                         params={"query": "sum(ttftscope_phase_duration_seconds_count)"}, timeout=10).json()
+        assert float(q["data"]["result"][0]["value"][1]) > 0
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+        srv.stop()
+        col.terminate()
+        hook.shutdown()
