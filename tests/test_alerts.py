@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-
 from conftest import PY, ROOT, CollectorProc, VllmServer, free_port
-
-from ttftscope.alerts.rules import generate as gen_rules
 from ttftscope.alerts.slo_file import SLOFileError, load_slo
 from ttftscope.analyzer import synth
-from ttftscope.dashboards.grafana import expand_clickhouse_macros, generate as gen_grafana, panel_queries
+from ttftscope.dashboards.grafana import expand_clickhouse_macros, panel_queries
 from ttftscope.schemas.store import open_store
+
 from ttftscope.tinymodel import prompt_of
 
 EXAMPLE = ROOT / "alerts" / "slo.example.yaml"
@@ -108,7 +106,6 @@ def test_phase_metrics_on_the_collector_match_the_spans_sent(collector_factory):
     """Spans of a synthetic workload sent over OTLP: /metrics counts exactly what was sent."""
     import pyarrow as pa
     import pyarrow.compute as pc
-
     from ttftscope.collector.otlp import SpanBatchBuilder  # noqa: F401
     tables, truth = synth.generate("allreduce-concurrency", 300, seed=4)
     t = pa.concat_tables(tables)
