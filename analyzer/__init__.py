@@ -37,5 +37,20 @@ class Analyzer:
     def export_perfetto(self, **kw) -> dict:
         return export_perfetto(self.store, **kw)
 
+    def cold_start(self, window: Window, target_s: float = 90.0) -> list[dict]:
+        from .coldstart import cold_start
+
+        return cold_start(self.store, window, target_s)
+
+    def request_spans(self, trace_id: str):
+        from .requests import request_spans
+
+        return request_spans(self.store, trace_id)
+
+    def find_trace(self, text: str) -> str | None:
+        from .requests import find_trace
+
+        return find_trace(self.store, text)
+
 
 __all__ = ["Analyzer", "Window", "SLO", "analyze", "render_text", "decompose", "export_perfetto"]

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     gg.add_argument("--prometheus-url", default="http://localhost:9090")
     gg.add_argument("--clickhouse", default="localhost:8123/default", metavar="HOST:PORT/DB")
 
+    ui = sub.add_parser("ui", help="the web UI (Streamlit)")
+    _store_arg(ui)
+    ui.add_argument("--port", type=int, default=8501)
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--prometheus", default=None, help="Prometheus URL for the Alerts page's firing state")
+
     d = sub.add_parser("demo", help="the main job on the embedded store (grows with each part)")
     _store_arg(d)
     d.add_argument("--requests", type=int, default=200, help="request traces to send (default 200)")
@@ -413,6 +419,34 @@ def cmd_grafana(a) -> int:
     return 0
 
 
+def ui_command(store_url: str, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict]:
+    """The `streamlit run` command line and environment for the UI."""
+    from pathlib import Path
+
+    import ttftscope.dashboards.ui as ui_pkg
+
+    app = Path(ui_pkg.__file__).with_name("app.py")
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(port), "--server.address", host,
+           "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+    return cmd, {**os.environ, "TTFTSCOPE_STORE": store_url}
+
+
+def cmd_ui(a) -> int:
+    import subprocess
+
+    from ttftscope.schemas.store import default_store_url
+
+    url = a.store or default_store_url()
+    cmd, env = ui_command(url, a.port, a.host)
+    if a.prometheus:
+        env["TTFTSCOPE_PROMETHEUS"] = a.prometheus
+    print(f"ttftscope UI on http://{a.host}:{a.port} (store {url}); Ctrl-C stops it", flush=True)
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 0
+
+
 def cmd_demo(a) -> int:
     from ttftscope.demo import run_demo
     from ttftscope.schemas.store import StoreError, default_store_url
@@ -430,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
             "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
-            "grafana": cmd_grafana}[a.command](a)
+            "grafana": cmd_grafana, "ui": cmd_ui}[a.command](a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The ttftscope web UI (Streamlit): `ttftscope ui`."""

@@ -1,0 +1,99 @@
+"""Shared UI plumbing: the store and analyzer (cached), the sidebar window/filters, error
+boxes instead of tracebacks, the phase colours. No analysis happens here."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import streamlit as st
+from ttftscope.analyzer import Analyzer, Window
+from ttftscope.analyzer.slo import SLO
+from ttftscope.schemas.store import StoreError, default_store_url, open_store
+from ttftscope.schemas.vocabulary import PHASES
+
+PHASE_COLORS = {"load": "#8c564b", "tokenize": "#17becf", "queue": "#ff7f0e", "prefill": "#1f77b4",
+                "allreduce": "#9467bd", "output": "#2ca02c", "gap": "#d3d3d3", "": "#7f7f7f"}
+SEVERITY_ICON = {"high": "🔴", "medium": "🟠", "low": "🟡"}
+WINDOWS = {"auto (last hour, else all data)": None, "last 15 min": 900, "last hour": 3600, "last 6 hours": 6 * 3600,
+           "last 24 hours": 86400, "last 7 days": 7 * 86400, "all data": -1}
+assert set(PHASE_COLORS) >= set(PHASES)
+
+
+class UIError(Exception):
+    """Shown to the user as a message box, never as a traceback."""
+
+
+@contextmanager
+def guard():
+    try:
+        yield
+    except (StoreError, UIError, ValueError) as e:
+        st.error(str(e))
+        st.stop()
+
+
+def store_url() -> str:
+    return os.environ.get("TTFTSCOPE_STORE") or default_store_url()
+
+
+@st.cache_resource(show_spinner=False)
+def _analyzer(url: str) -> Analyzer:
+    return Analyzer(open_store(url, create=False))
+
+
+def analyzer() -> Analyzer:
+    url = store_url()
+    try:
+        return _analyzer(url)
+    except StoreError as e:
+        raise UIError(f"Cannot open the store {url}: {e}") from None
+
+
+@st.cache_data(ttl=5, show_spinner=False)
+def data_range(url: str) -> tuple[int, int] | None:
+    from ttftscope.analyzer.requests import data_range as dr
+
+    return dr(_analyzer(url).store)
+
+
+@st.cache_data(ttl=5, show_spinner="analysing…")
+def report(url: str, since: int, until: int, model: str | None, version: str | None, slo_spec: str | None) -> dict:
+    return _analyzer(url).analyze(Window(since, until, model or None, version or None), SLO.parse(slo_spec))
+
+
+@st.cache_data(ttl=5, show_spinner="decomposing…")
+def decomposition(url: str, since: int, until: int, model: str | None, version: str | None):
+    return _analyzer(url).decompose(Window(since, until, model or None, version or None))
+
+
+def sidebar_window(key: str = "win") -> Window:
+    """The window picker. Returns a Window; stops the page with a message when empty."""
+    url = store_url()
+    a = analyzer()  # raises UIError when the store cannot be opened
+    st.sidebar.caption(f"store: `{url}`")
+    choice = st.sidebar.selectbox("Window", list(WINDOWS), key=f"{key}_choice")
+    seconds = WINDOWS[choice]
+    rng = data_range(url)
+    if rng is None:
+        raise UIError("The store holds no requests yet. Send traces to `ttftscope collect`, or fill it with "
+                      "`ttftscope synth --scenario queue-surge`.")
+    now = time.time_ns()
+    if seconds == -1 or (seconds is None and rng[1] < now - 3600 * 10**9):
+        w = Window(rng[0], rng[1] + 10**9)
+    elif seconds is None:
+        w = Window(now - 3600 * 10**9, now + 10**9)
+    else:
+        w = Window(now - seconds * 10**9, now + 10**9)
+    model = st.sidebar.text_input("Model (exact)", key=f"{key}_model").strip() or None
+    version = st.sidebar.text_input("Version (service.version)", key=f"{key}_version").strip() or None
+    slo = st.sidebar.text_input("TTFT SLO (ms)", value="p50=350,p95=600,p99=800", key=f"{key}_slo")
+    SLO.parse(slo)  # ValueError -> message
+    st.session_state["slo_spec"] = slo
+    _ = a
+    return Window(w.since_ns, w.until_ns, model, version)
+
+
+def fmt_ms(v) -> str:
+    return "–" if v is None else f"{v:,.1f} ms"
