@@ -15,7 +15,7 @@ from ttftscope.dashboards.ui.common import (
     store_url,
 )
 
-st.title("🧵 Requests")
+st.title("Requests")
 with guard():
     w = sidebar_window("rq")
     df = decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version)
@@ -52,10 +52,12 @@ with guard():
                     customdata=g["name"].to_list(), hovertemplate="%{customdata}: %{x:.2f} ms at %{base:.2f} ms<extra></extra>")
     if ttft:
         for gi in gap_intervals(spans, t0, ttft).iter_rows(named=True):
-            fig.add_vrect(x0=(gi["start_ns"] - t0) / 1e6, x1=(gi["end_ns"] - t0) / 1e6, fillcolor="red", opacity=0.12,
-                          line_width=0, annotation_text="gap", annotation_position="top left")
+            fig.add_vrect(x0=(gi["start_ns"] - t0) / 1e6, x1=(gi["end_ns"] - t0) / 1e6, fillcolor="red", opacity=0.15,
+                          line_width=0)
         fig.add_vline(x=ttft / 1e6, line_dash="dash", annotation_text="first token")
-    fig.update_layout(barmode="overlay", height=120 + 40 * tracks["track"].n_unique(), xaxis_title="ms since arrival",
+        fig.update_xaxes(range=[-0.05 * ttft / 1e6, 1.25 * ttft / 1e6])  # the TTFT window; zoom out for decode
+    fig.update_layout(barmode="overlay", height=120 + 40 * tracks["track"].n_unique(),
+                      xaxis_title="ms since arrival (red: gaps inside TTFT)",
                       margin={"t": 30, "b": 10})
     st.plotly_chart(fig, width="stretch")
     if row.height:

@@ -5,7 +5,7 @@ import streamlit as st
 from ttftscope.analyzer import Window
 from ttftscope.dashboards.ui.common import analyzer, guard, sidebar_window
 
-st.title("🧊 Cold start")
+st.title("Cold start")
 with guard():
     w = sidebar_window("cs")
     target = st.number_input("Target (s)", min_value=1.0, value=90.0, step=5.0)

@@ -4,7 +4,7 @@ import polars as pl
 import streamlit as st
 from ttftscope.dashboards.ui.common import SEVERITY_ICON, guard, report, sidebar_window, store_url
 
-st.title("🕳️ Gaps & bottlenecks")
+st.title("Gaps & bottlenecks")
 with guard():
     w = sidebar_window("gp")
     r = report(store_url(), w.since_ns, w.until_ns, w.model, w.version, st.session_state.get("slo_spec"))
@@ -24,7 +24,7 @@ with guard():
             if advice:
                 st.markdown(f"**What to change:** {advice['change']}  \n*Expected:* {advice['expected_effect']}")
             for t in ids[:5]:
-                st.page_link("pages/requests.py", label=f"trace {t}", query_params={"trace": t})
+                st.page_link("views/requests.py", label=f"trace {t}", query_params={"trace": t})
             if rids:
                 st.caption("requests: " + ", ".join(map(str, rids[:10])))
     st.subheader("Idle time inside TTFT, by kind")

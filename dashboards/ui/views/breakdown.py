@@ -14,7 +14,7 @@ from ttftscope.dashboards.ui.common import (
     store_url,
 )
 
-st.title("🔥 Where TTFT goes")
+st.title("Where TTFT goes")
 with guard():
     w = sidebar_window("bd")
     df = decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version)

@@ -12,7 +12,7 @@ from ttftscope.alerts.rules import generate as gen_rules
 from ttftscope.alerts.slo_file import SLOFileError, load_slo
 from ttftscope.dashboards.grafana import generate as gen_grafana
 
-st.title("🚨 Alerts")
+st.title("Alerts")
 example = Path(__file__).resolve().parents[3] / "alerts" / "slo.example.yaml"
 if not example.exists():
     example = Path(__file__).resolve().parents[2] / "alerts" / "slo.example.yaml"

@@ -13,7 +13,7 @@ from ttftscope.dashboards.ui.common import (
     store_url,
 )
 
-st.title("📈 TTFT overview")
+st.title("TTFT overview")
 with guard():
     WINDOW = sidebar_window("ov")
 live = st.sidebar.toggle("Live refresh (5 s)", value=False)
@@ -61,7 +61,7 @@ def body() -> None:
             st.markdown(f"{SEVERITY_ICON[f['severity']]} **{f['title']}**")
         if r["slo"]["violated"]:
             st.warning("SLO violated: " + "; ".join(r["slo"]["violated"]))
-        st.page_link("pages/gaps.py", label="All findings with their evidence →")
+        st.page_link("views/gaps.py", label="All findings with their evidence →")
 
 
 body()

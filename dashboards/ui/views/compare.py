@@ -10,7 +10,7 @@ from ttftscope.analyzer.compare import significant_shifts
 from ttftscope.analyzer.requests import choices
 from ttftscope.dashboards.ui.common import analyzer, decomposition, guard, sidebar_window, store_url
 
-st.title("⚖️ Compare")
+st.title("Compare")
 with guard():
     w = sidebar_window("cp")
     df = decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version)

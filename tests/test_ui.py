@@ -1,0 +1,178 @@
+"""The web UI: Streamlit AppTest on every page, and a real headless Chromium on a running `ttftscope ui`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import ROOT, free_port
+from streamlit.testing.v1 import AppTest
+from ttftscope.analyzer import Analyzer, Window, synth
+from ttftscope.schemas.store import open_store
+
+APP = str(ROOT / "dashboards" / "ui" / "app.py")
+PAGES = ["views/breakdown.py", "views/requests.py", "views/gaps.py", "views/compare.py", "views/coldstart.py",
+         "views/alerts.py"]
+ARTIFACTS = ROOT / "artifacts" / "ui"
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("ui") / "store")
+    st = open_store(d)
+    truth = synth.write(st, "regression", 3000, seed=8)
+    return d, truth
+
+
+def _app(store: str, monkeypatch) -> AppTest:
+    monkeypatch.setenv("TTFTSCOPE_STORE", store)
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.run()
+    return at
+
+
+def _no_exception(at: AppTest, where: str) -> None:
+    assert not at.exception, f"{where}: {[e.value for e in at.exception]}"
+
+
+def test_every_page_renders_the_analyzer_answers(filled, monkeypatch):
+    store, truth = filled
+    report = Analyzer(open_store(store, create=False)).analyze(Window(truth["window"]["start_ns"], truth["window"]["end_ns"] + 10**9))
+    at = _app(store, monkeypatch)
+    _no_exception(at, "overview")
+    assert at.metric[0].value == f"{truth['requests']:,}"
+    assert any(report["findings"][0]["title"] in m.value for m in at.markdown), "top finding on the overview"
+    for page in PAGES:
+        at.switch_page(page).run()
+        _no_exception(at, page)
+        assert not at.error, f"{page}: {[e.value for e in at.error]}"
+    at.switch_page("views/gaps.py").run()
+    assert at.expander[0].label.endswith(report["findings"][0]["title"])
+    at.switch_page("views/compare.py").run()
+    assert any("prefill" in w.value for w in at.warning), "the regression's shifted phase is flagged"
+    at.switch_page("views/requests.py").run()
+    assert at.text_input[0].value, "the slowest request opens by default"
+    at.switch_page("views/coldstart.py").run()
+    assert any("worker-0" in m.value for m in at.markdown)
+    at.switch_page("views/alerts.py").run()
+    assert "alerts from this SLO" in at.subheader[0].value
+
+
+def test_a_request_opens_by_request_id_and_bad_ids_get_a_message(filled, monkeypatch):
+    store, _ = filled
+    rid = open_store(store, create=False).query(
+        "SELECT SpanAttributes['gen_ai.request.id'] FROM otel_traces WHERE SpanName = 'llm_request' LIMIT 1").item()
+    at = _app(store, monkeypatch)
+    at.switch_page("views/requests.py").run()
+    at.text_input[0].set_value(rid).run()
+    _no_exception(at, "requests by id")
+    assert any("Trace `" in s.value for s in at.subheader)
+    at.text_input[0].set_value("no-such-request' OR 1=1 --").run()
+    _no_exception(at, "bad id")
+    assert any("No request or trace matches" in e.value for e in at.error)
+
+
+@pytest.mark.parametrize("evil", ["x' OR 1=1 --", "'); DROP TABLE otel_traces; --", "{model:String}"])
+def test_filters_are_bound_parameters(filled, monkeypatch, evil):
+    store, truth = filled
+    at = _app(store, monkeypatch)
+    at.sidebar.text_input(key="ov_model").set_value(evil).run()
+    _no_exception(at, "overview with an injection string")
+    assert any("No requests" in i.value for i in at.info)
+    assert open_store(store, create=False).query("SELECT count() FROM otel_traces WHERE SpanName = 'llm_request'").item() == truth["requests"]
+
+
+def test_empty_store_unreachable_store_and_malformed_slo(tmp_path, monkeypatch):
+    empty = str(tmp_path / "empty")
+    open_store(empty)
+    at = _app(empty, monkeypatch)
+    _no_exception(at, "empty store")
+    assert any("holds no requests" in e.value for e in at.error)
+    at = _app(f"clickhouse://default:@127.0.0.1:{free_port()}/x", monkeypatch)
+    _no_exception(at, "unreachable store")
+    assert any("Cannot open the store" in e.value for e in at.error)
+    at = _app(str(tmp_path / "missing"), monkeypatch)
+    assert any("no ttftscope store" in e.value for e in at.error)
+    at.switch_page("views/alerts.py").run()
+    at.text_area[0].set_value("version: 1\nttft:\n  targets_ms: {p42: 1}\n").run()
+    _no_exception(at, "malformed SLO")
+    assert any("SLO file:3:" in e.value and "p42" in e.value for e in at.error)
+
+
+def test_malformed_sidebar_slo_is_a_message(filled, monkeypatch):
+    store, _ = filled
+    at = _app(store, monkeypatch)
+    at.sidebar.text_input(key="ov_slo").set_value("p99=fast").run()
+    _no_exception(at, "malformed SLO filter")
+    assert any("invalid SLO item" in e.value for e in at.error)
+
+
+def _chrome():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+              "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--window-size=1400,1000"):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def wait_rendered(driver, timeout: float = 90) -> None:
+    """Until Streamlit stops running the script and a page title is on screen."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        titles = driver.find_elements(By.CSS_SELECTOR, "h1")
+        if titles and not running:
+            time.sleep(0.5)
+            if not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]'):
+                return
+        time.sleep(0.25)
+    raise TimeoutError("page did not finish rendering")
+
+
+def test_every_page_in_a_real_headless_chromium(filled):
+    from selenium.webdriver.common.by import By
+
+    store, _ = filled
+    port = free_port()
+    env = {**os.environ, "TTFTSCOPE_STORE": store}
+    proc = subprocess.Popen([os.sys.executable, "-m", "ttftscope", "ui", "--store", store, "--port", str(port)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        driver = _chrome()
+        try:
+            for path in ("overview", "breakdown", "requests", "gaps", "compare", "coldstart", "alerts"):
+                driver.get(f"http://127.0.0.1:{port}/{path}")
+                wait_rendered(driver)
+                shot = ARTIFACTS / f"{path}.png"
+                driver.save_screenshot(str(shot))
+                assert shot.stat().st_size > 10_000
+                exc = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')
+                assert not exc, f"{path}: {[e.text for e in exc]}"
+                errs = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stAlertContentError"]')
+                assert not errs, f"{path}: {[e.text for e in errs]}"
+                assert driver.find_elements(By.CSS_SELECTOR, "h1")
+        finally:
+            driver.quit()
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+    assert Path(ARTIFACTS / "overview.png").exists()
