@@ -20,31 +20,39 @@ def _q(s: str) -> str:
 def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
     names = ", ".join(_q(n) for n in sorted(VLLM_SPAN_PHASE))
     df = store.query(f"""
-        SELECT concat(TraceId, '/', if(ResourceAttributes['process.pid'] != '', ResourceAttributes['process.pid'],
-                                         ResourceAttributes['vllm.process_id'])) AS trace,
-               SpanName AS name, toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e,
+        SELECT multiIf(ResourceAttributes['process.pid'] != '', concat(ResourceAttributes['host.name'], '/', ResourceAttributes['process.pid']),
+                       ResourceAttributes['vllm.process_id'] != '', concat(ResourceAttributes['host.name'], '/', ResourceAttributes['vllm.process_id']),
+                       TraceId) AS trace,
+               TraceId AS trace_id,
+               if(SpanName = {_q(SpanName.LOAD)} AND SpanAttributes['ttftscope.load.stage'] != '',
+                  SpanAttributes['ttftscope.load.stage'], SpanName) AS name,
+               toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e,
                multiIf(ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}] != '', ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}],
                        ResourceAttributes['vllm.process_name'] != '', ResourceAttributes['vllm.process_name'],
                        ResourceAttributes['process.pid']) AS instance,
                ResourceAttributes[{_q(ResourceAttr.ROLE)}] AS role,
                ServiceName AS service
         FROM otel_traces
-        WHERE (SpanName = {_q(SpanName.PROCESS_START)} OR SpanName IN ({names}))
+        WHERE (SpanName = {_q(SpanName.PROCESS_START)} OR SpanName = {_q(SpanName.LOAD)} OR SpanName IN ({names}))
           AND Timestamp >= fromUnixTimestamp64Nano(toInt64({{since:Int64}} - 86400000000000))
           AND Timestamp < fromUnixTimestamp64Nano({{until:Int64}})
         ORDER BY trace, s""", window.params())
     if df.height == 0:
         return []
     proc = df.filter(pl.col("name") == SpanName.PROCESS_START).select(
-        "trace", pl.col("s").alias("p0"), pl.col("e").alias("ready"), "instance", "role", "service")
+        "trace", pl.col("s").alias("p0"), pl.col("e").alias("ready"), "instance", "role", "service", "trace_id")
     loads = df.filter(pl.col("name") != SpanName.PROCESS_START)
     # stock vLLM: no process span -> the loading spans' own extent is the cold start
     missing = loads.join(proc.select("trace"), on="trace", how="anti")
     if missing.height:
         extra = missing.group_by("trace").agg(pl.col("s").min().alias("p0"), pl.col("e").max().alias("ready"),
                                               pl.col("instance").first(), pl.col("role").first(),
-                                              pl.col("service").first())
+                                              pl.col("service").first(), pl.col("trace_id").first())
         proc = pl.concat([proc, extra.select(proc.columns)])
+    # a cold start belongs to the window it ended (became ready) in
+    proc = proc.filter((pl.col("ready") >= window.since_ns) & (pl.col("ready") <= window.until_ns))
+    if proc.height == 0:
+        return []
     # union of loading intervals per process; blocks of overlapping spans
     lo = (loads.sort("trace", "s")
           .with_columns(pl.col("e").cum_max().shift(1).over("trace").alias("prev_max"))
@@ -70,7 +78,7 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
         dur = (r["ready"] - r["p0"]) / 1e9
         busy_s = (r["busy"] or 0) / 1e9
         out.append({
-            "instance": r["instance"] or r["service"], "role": r["role"], "trace_id": r["trace"].split("/")[0],
+            "instance": r["instance"] or r["service"], "role": r["role"], "trace_id": r["trace_id"],
             "cold_start_s": dur, "target_s": target_s, "over_target": dur > target_s,
             "phases_s": phase_map.get(r["trace"], {}),
             "idle_s": max(dur - busy_s, 0.0), "idle_share": max(dur - busy_s, 0.0) / dur if dur > 0 else 0.0,

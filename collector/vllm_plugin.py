@@ -138,6 +138,7 @@ def register() -> None:
     if _STATE["registered"] or not _enabled():
         return
     _STATE["registered"] = True
+    _STATE["registered_at"] = time.time()
     try:
         role = detect_role()
         _STATE["role"] = role
@@ -586,6 +587,17 @@ def _emit_process_ready(role: str) -> None:
     except Exception:  # noqa: BLE001
         start = time.time()
     ws = _STATE.get("worker")
-    _span(SpanName.PROCESS_START, start, time.time(), {
+    tracer = _STATE["tracer"]
+    if tracer is None:
+        return
+    from opentelemetry import trace as ot
+
+    now = time.time()
+    root = tracer.start_span(SpanName.PROCESS_START, start_time=int(start * 1e9), attributes={
         Attr.PHASE: "load", Attr.RANK: getattr(ws, "rank", None) if ws and ws.rank is not None else 0,
         "ttftscope.process.role": role})
+    # interpreter start and imports (torch, vLLM) until vLLM loaded the plugin: no vLLM span covers it
+    reg = _STATE.get("registered_at", now)
+    _span(SpanName.LOAD, start, min(reg, now), {Attr.PHASE: "load", Attr.LOAD_STAGE: "process start and imports"},
+          ot.set_span_in_context(root))
+    root.end(end_time=int(now * 1e9))

@@ -48,6 +48,7 @@ class SpanName:
     STEP = f"{PREFIX}.step"  # one engine step (engine core / worker)
     LOAD = f"{PREFIX}.load"  # a loading sub-phase not covered by vLLM's spans
     PROCESS_START = f"{PREFIX}.process"  # process start -> ready (cold start)
+    LOADTEST = f"{PREFIX}.loadtest"  # one `ttftscope run` / sweep point, with the benchmark's numbers
 
 
 #: span name -> phase, for our own spans.

@@ -153,10 +153,31 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--prometheus", default=None, help="Prometheus URL for the Alerts page's firing state")
 
-    d = sub.add_parser("demo", help="the main job on the embedded store (grows with each part)")
+    d = sub.add_parser("demo", help="the main job: real vLLM + plugin + collector, load profiles, report, UI")
     _store_arg(d)
-    d.add_argument("--requests", type=int, default=200, help="request traces to send (default 200)")
-    d.add_argument("--quick", action="store_true", help="a short run")
+    d.add_argument("--quick", action="store_true", help="short profiles (CI)")
+    d.add_argument("--no-ui", action="store_true", help="exit after the report instead of serving the UI")
+    d.add_argument("--ui-port", type=int, default=8501)
+    d.add_argument("--model", default=None, help="a real model directory (GPU machine); default: the tiny local model")
+    d.add_argument("--no-tp2", action="store_true", help="skip the tensor-parallel-2 run")
+    d.add_argument("--workdir", default=None, help="logs and the tiny model (default ~/.local/share/ttftscope)")
+
+    rn = sub.add_parser("run", help="drive a running vLLM (with the plugin) with a load profile; CI gate")
+    _store_arg(rn)
+    rn.add_argument("--server", required=True, help="base URL of the vLLM OpenAI server")
+    rn.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    rn.add_argument("--profile", default=None, help="YAML/JSON load profile (rate, burstiness, lengths, duration_s, ...)")
+    rn.add_argument("--slo", default=None, metavar="p50=350,p95=600,p99=800")
+    rn.add_argument("--json", action="store_true")
+
+    sw = sub.add_parser("sweep", help="restart vLLM over a grid of engine settings, same profile each, recommend one")
+    _store_arg(sw)
+    sw.add_argument("--model", default=None, help="model directory (default: the tiny local model)")
+    sw.add_argument("--profile", default=None)
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                    help="max_num_seqs, max_num_batched_tokens, chunked_prefill, prefix_caching, gpu_memory_utilization")
+    sw.add_argument("--slo", default=None)
+    sw.add_argument("--workdir", default=None)
 
     sc = sub.add_parser("schema", help="print the DDL or the vocabulary")
     sc.add_argument("what", choices=["ddl", "vocabulary"])
@@ -452,10 +473,23 @@ def cmd_demo(a) -> int:
     from ttftscope.schemas.store import StoreError, default_store_url
 
     try:
-        return run_demo(a.store or default_store_url(), 50 if a.quick else a.requests)
+        return run_demo(a.store or default_store_url(), quick=a.quick, ui=not a.no_ui, ui_port=a.ui_port, model=a.model,
+                        tp2=False if a.no_tp2 else None, workdir=a.workdir)
     except StoreError as e:
         print(f"ttftscope demo: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_run(a) -> int:
+    from ttftscope.sweep import run_command
+
+    return run_command(a)
+
+
+def cmd_sweep(a) -> int:
+    from ttftscope.sweep import sweep_command
+
+    return sweep_command(a)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
             "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
-            "grafana": cmd_grafana, "ui": cmd_ui}[a.command](a)
+            "grafana": cmd_grafana, "ui": cmd_ui, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)
 
 
 if __name__ == "__main__":

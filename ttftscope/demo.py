@@ -1,88 +1,156 @@
-"""``ttftscope demo``: the main job on the embedded store, no server to install.
+"""``ttftscope demo``: the main job, end to end, on the embedded store with no server to install.
 
-For now (the data path): start a real collector, send a short burst of request traces with
-the stock OpenTelemetry SDK over OTLP/HTTP, stop the collector (which flushes), and show
-what landed through the same ClickHouse SQL the analyzer will use. It grows into the full
-vLLM demo (plugin, load profiles, report, UI) as those parts land.
+Builds the tiny local model (or uses ``--model``), starts the collector and a real vLLM
+OpenAI server with the plugin, drives named load profiles through vLLM's own benchmark
+(steady Poisson, a burst that makes a queue, long prompts that chunk, shared-prefix traffic,
+then a tensor-parallel-2 restart where the machine has two cores, which also measures a
+cold start), prints the analyzer's report per profile and for the run, and serves the web
+UI until Ctrl-C. Every child process is stopped on exit; a second run reuses the store and
+is labelled differently (resource attribute ``ttftscope.run``), so runs can be compared.
 """
 
 from __future__ import annotations
 
-import random
-import socket
-import sys
+import os
 import time
+from dataclasses import replace
+from pathlib import Path
+
+from .loadgen import Profile
+from .servers import Child, collector, free_port, vllm
+
+PROFILES = [
+    Profile("steady", num_prompts=60, request_rate=10, input_len=256, output_len=16),
+    Profile("burst", num_prompts=150, request_rate=float("inf"), input_len=256, output_len=8),
+    Profile("long-prompts", num_prompts=16, request_rate=2, input_len=1500, output_len=8, range_ratio=0.2),
+    Profile("shared-prefix", num_prompts=40, request_rate=10, input_len=64, output_len=8, prefix_len=256),
+]
+TP2 = Profile("tp2", num_prompts=30, request_rate=5, input_len=256, output_len=8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def main_cause(report: dict) -> str:
+    """The top request-level finding, else the phase that dominates the p99 tail."""
+    fs = [f for f in report.get("findings", []) if not f["kind"].startswith("cold_start")]
+    if fs:
+        return fs[0]["title"]
+    tail = report.get("tail", {}).get("share", {})
+    phases = {k: v for k, v in tail.items() if not k.startswith("gap_")}
+    if not phases:
+        return "-"
+    k, v = max(phases.items(), key=lambda kv: kv[1])
+    return f"{k} is {v:.0%} of p99 TTFT"
 
 
-def _emit(endpoint: str, requests_n: int, run: str) -> int:
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.trace import SpanKind
-
-    from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
-
-    tp = TracerProvider(resource=Resource.create({ResourceAttr.SERVICE_NAME: "ttftscope-demo",
-                                                  ResourceAttr.RUN: run}))
-    tp.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint + "/v1/traces")))
-    tr = tp.get_tracer("ttftscope.demo")
-    rng = random.Random(7)
-    t = time.time_ns()
-    spans = 0
-    for i in range(requests_n):
-        t += int(rng.expovariate(1 / 20e6))  # Poisson arrivals, 50 req/s
-        tok, queue, prefill, out = (int(rng.lognormvariate(m, 0.4) * 1e6) for m in (0.5, 1.5, 2.5, 0.3))
-        start = t
-        root = tr.start_span(SpanName.REQUEST, kind=SpanKind.SERVER, start_time=start,
-                             attributes={Attr.REQUEST_ID: f"demo-{i}", Attr.PROMPT_TOKENS: rng.randint(16, 2048)})
-        ctx = __import__("opentelemetry.trace", fromlist=["set_span_in_context"]).set_span_in_context(root)
-        cur = start
-        for name, dur in ((SpanName.TOKENIZE, tok), (SpanName.QUEUE, queue), (SpanName.PREFILL, prefill),
-                          (SpanName.OUTPUT, out)):
-            s = tr.start_span(name, context=ctx, start_time=cur, attributes={Attr.REQUEST_ID: f"demo-{i}"})
-            s.end(end_time=cur + dur)
-            cur += dur
-            spans += 1
-        root.set_attribute(Attr.VLLM_TTFT, (cur - start) / 1e9)
-        root.end(end_time=cur + 1_000_000)
-        spans += 1
-    tp.shutdown()
-    return spans
+def _say(step: str, msg: str) -> None:
+    print(f"[{step}] {msg}", flush=True)
 
 
-def run_demo(store_url: str, requests_n: int = 200) -> int:
-    from ttftscope.collector.server import ServerConfig
-    from ttftscope.collector.service import Collector
+def _quick(p: Profile) -> Profile:
+    return replace(p, num_prompts=max(6, p.num_prompts // 2) if p.name != "burst" else 100)
+
+
+def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: int = 8501, model: str | None = None,
+             tp2: bool | None = None, workdir: str | None = None) -> int:
+    from ttftscope.analyzer import SLO, Analyzer, Window, render_text
+    from ttftscope.runner import LoadError, drive
     from ttftscope.schemas.store import open_store
-    from ttftscope.schemas.vocabulary import SpanName
+    from ttftscope.tinymodel import build_tiny_model
 
+    base = Path(workdir) if workdir else Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ttftscope"
     run = time.strftime("demo-%Y%m%d-%H%M%S")
-    port = _free_port()
-    print(f"[1/3] starting the collector on 127.0.0.1:{port} -> store {store_url}", flush=True)
-    col = Collector(store_url, ServerConfig(port=port), segment_age_s=0.2).start()
-    print(f"[2/3] sending {requests_n} request traces over OTLP/HTTP (run label {run})", flush=True)
-    sent = _emit(col.url, requests_n, run)
-    ok = col.stop()
-    print(f"      {sent} spans sent; collector flushed: {'yes' if ok else 'NO'}", flush=True)
-    print("[3/3] what landed in otel_traces (same ClickHouse SQL as the analyzer):", flush=True)
-    st = open_store(store_url)
-    out = st.query_text(
-        "SELECT SpanName, count() AS spans, round(quantile(0.5)(Duration) / 1e6, 2) AS p50_ms, "
-        "round(quantile(0.99)(Duration) / 1e6, 2) AS p99_ms FROM otel_traces "
-        "WHERE ResourceAttributes['ttftscope.run'] = {run:String} GROUP BY SpanName ORDER BY SpanName",
-        "PrettyCompactMonoBlock", {"run": run})
-    sys.stdout.write(out.decode())
-    runs = st.query("SELECT uniqExact(ResourceAttributes['ttftscope.run']) AS runs, count() AS spans "
-                    "FROM otel_traces").row(0)
-    print(f"store now holds {runs[1]} spans from {runs[0]} run(s). Try:\n"
-          f"  ttftscope sql --store {store_url} \"SELECT SpanName, count() FROM otel_traces GROUP BY 1\"")
-    n = st.query("SELECT count() FROM otel_traces WHERE ResourceAttributes['ttftscope.run'] = {r:String} "
-                 "AND SpanName = {n:String}", {"r": run, "n": SpanName.REQUEST}).item()
-    return 0 if ok and n == requests_n else 1
+    work = base / "runs" / run
+    work.mkdir(parents=True, exist_ok=True)
+    children: list[Child] = []
+    profiles = [_quick(p) for p in PROFILES] if quick else list(PROFILES)
+    tp2 = (os.cpu_count() or 1) >= 2 if tp2 is None else tp2
+    results: list[tuple[Profile, dict | None, str]] = []
+    rc = 0
+    try:
+        _say("1/6", "model: " + (model or "building the tiny local model (dummy weights)"))
+        mdir = model or str(build_tiny_model(base / "tinymodel"))
+        _say("2/6", f"collector -> store {store_url}")
+        col, col_url = collector(store_url, work)
+        children.append(col)
+        _say("3/6", f"vLLM OpenAI server with the ttftscope plugin (run label {run}); ~30 s on a CPU")
+        srv, srv_url = vllm(mdir, col_url + "/v1/traces", run, work, dummy=model is None)
+        children.append(srv)
+        total = len(profiles) + (1 if tp2 else 0)
+        for i, p in enumerate(profiles, 1):
+            _say(f"4/6 {i}/{total}", f"profile {p.name}: {p.num_prompts} requests at "
+                 f"{'once' if p.request_rate == float('inf') else f'{p.request_rate:g}/s'}, ~{p.input_len} tokens"
+                 + (f" + {p.prefix_len} shared" if p.prefix_len else ""))
+            try:
+                res = drive(srv_url, mdir, p, srv.alive)
+                results.append((p, res, ""))
+                _say("    ", f"done: TTFT p50 {res['median_ttft_ms']:.1f} ms, p99 {res['p99_ttft_ms']:.1f} ms, "
+                     f"{res['request_throughput']:.1f} req/s")
+            except LoadError as e:
+                _say("    ", f"!! {e}")
+                results.append((p, None, str(e)))
+                rc = 3
+                break
+        srv.stop()
+        if tp2 and rc == 0:
+            _say(f"4/6 {total}/{total}", "restarting vLLM with tensor parallel 2 (measures a cold start; allreduce spans)")
+            srv2, url2 = vllm(mdir, col_url + "/v1/traces", run, work, tp=2, dummy=model is None)
+            children.append(srv2)
+            p = _quick(TP2) if quick else TP2
+            try:
+                res = drive(url2, mdir, p, srv2.alive)
+                results.append((p, res, ""))
+                _say("    ", f"done: TTFT p50 {res['median_ttft_ms']:.1f} ms, p99 {res['p99_ttft_ms']:.1f} ms")
+            except LoadError as e:
+                _say("    ", f"!! {e}")
+                results.append((p, None, str(e)))
+                rc = 3
+            srv2.stop()
+        time.sleep(1.0)  # the plugin exports every 0.5 s
+        col.stop(grace=60)  # SIGTERM: flush everything acknowledged into the store
+        _say("5/6", "analysing (ClickHouse SQL on chDB + polars)")
+        store = open_store(store_url, create=False)
+        an = Analyzer(store)
+        print(f"\n{'profile':<15}{'requests':>9}{'TTFT p50':>10}{'TTFT p99':>10}  main cause")
+        for p, res, err in results:
+            if res is None:
+                print(f"{p.name:<15}{'-':>9}{'-':>10}{'-':>10}  {err}")
+                continue
+            lo, hi = res["window_ns"]
+            r = an.analyze(Window(lo, hi + 2 * 10**9, run=run), SLO())
+            cause = main_cause(r)
+            res["report"] = r
+            print(f"{p.name:<15}{r.get('requests', 0):>9}{r.get('ttft_ms', {}).get('p50', 0):>9.1f}m"
+                  f"{r.get('ttft_ms', {}).get('p99', 0):>9.1f}m  {cause}")
+        whole = an.analyze(Window(results[0][1]["window_ns"][0] - 600 * 10**9 if results and results[0][1] else 0,
+                                  time.time_ns() + 10**9, run=run), SLO())
+        print()
+        print(render_text(whole))
+        runs = store.query("SELECT ResourceAttributes['ttftscope.run'] AS run, count() AS spans FROM otel_traces "
+                           "WHERE ResourceAttributes['ttftscope.run'] != '' GROUP BY run ORDER BY run")
+        print("runs in this store: " + ", ".join(f"{a} ({b:,} spans)" for a, b in runs.iter_rows()))
+        if len(runs) > 1:
+            print(f"  compare two runs: ttftscope compare --store {store_url} --last 7d run=A run=B")
+        if ui:
+            from .cli import ui_command
+
+            cmd, env = ui_command(store_url, ui_port)
+            uic = Child(cmd, work / "ui.log", env=env).start()
+            children.append(uic)
+            uic.wait_http(f"http://127.0.0.1:{ui_port}/_stcore/health", 90, "the web UI")
+            _say("6/6", f"web UI: http://127.0.0.1:{ui_port}  (Ctrl-C to stop everything)")
+            while uic.alive():
+                time.sleep(0.5)
+        else:
+            _say("6/6", f"done; open the UI later with: ttftscope ui --store {store_url}")
+        return rc
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every child process", flush=True)
+        return 130
+    except (RuntimeError, TimeoutError) as e:
+        print(f"ttftscope demo: {e}", flush=True)
+        return 1
+    finally:
+        for c in reversed(children):
+            c.stop(grace=30)
+
+
+__all__ = ["run_demo", "free_port"]

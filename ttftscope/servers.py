@@ -1,0 +1,118 @@
+"""Child processes the demo, `run` and `sweep` manage: the collector and a vLLM OpenAI server.
+
+Each child gets its own process group, so stopping it (SIGTERM, then SIGKILL after a grace
+period) takes every process it spawned (vLLM's engine core and workers) with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, cwd: str | None = None) -> None:
+        self.cmd, self.log, self.env, self.cwd = cmd, log, env, cwd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._f, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+                                     start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_http(self, url: str, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{what} exited with code {self.proc.returncode}; last log lines:\n{self.tail()}")
+            try:
+                if requests.get(url, timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{what} did not answer at {url} within {timeout:.0f}s; last log lines:\n{self.tail()}")
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        try:  # anything left in the group (spawned workers)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if hasattr(self, "_f"):
+            self._f.close()
+        return self.proc.returncode
+
+
+def collector(store: str, workdir: Path, port: int | None = None) -> tuple[Child, str]:
+    port = port or free_port()
+    c = Child([sys.executable, "-m", "ttftscope", "collect", "--store", store, "--spool", str(workdir / f"spool-{port}"),
+               "--listen", f"127.0.0.1:{port}", "--flush-interval", "0.3"], workdir / "collector.log").start()
+    url = f"http://127.0.0.1:{port}"
+    c.wait_http(url + "/healthz", 60, "the collector")
+    return c, url
+
+
+def vllm_args(model: str, port: int, *, tp: int = 1, max_model_len: int = 2048, max_num_batched_tokens: int = 128,
+              max_num_seqs: int | None = None, chunked_prefill: bool | None = None, prefix_caching: bool | None = None,
+              gpu_memory_utilization: float = 0.3, dummy: bool = True, extra: list[str] | None = None) -> list[str]:
+    a = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
+         "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens),
+         "--gpu-memory-utilization", str(gpu_memory_utilization), "--port", str(port), "--tensor-parallel-size", str(tp)]
+    if dummy:
+        a += ["--load-format", "dummy", "--enforce-eager"]
+    if max_num_seqs:
+        a += ["--max-num-seqs", str(max_num_seqs)]
+    if chunked_prefill is not None:
+        a += ["--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill"]
+    if prefix_caching is not None:
+        a += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    return a + list(extra or [])
+
+
+def vllm(model: str, endpoint: str, run: str, workdir: Path, *, tp: int = 1, port: int | None = None,
+         timeout: float = 300, **kw) -> tuple[Child, str]:
+    port = port or free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TTFTSCOPE_ENDPOINT": endpoint, "TTFTSCOPE_RUN": run,
+           "TTFTSCOPE_ENABLED": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+    c = Child(vllm_args(model, port, tp=tp, **kw), workdir / f"vllm-{port}.log", env=env, cwd=str(workdir)).start()
+    url = f"http://127.0.0.1:{port}"
+    c.wait_http(url + "/health", timeout, "the vLLM server")
+    return c, url
