@@ -49,6 +49,8 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
                                               pl.col("instance").first(), pl.col("role").first(),
                                               pl.col("service").first(), pl.col("trace_id").first())
         proc = pl.concat([proc, extra.select(proc.columns)])
+    # without a ttftscope process span, a sub-second extent is not a cold start (e.g. "API server setup")
+    proc = proc.filter(~(pl.col("trace").is_in(missing["trace"].unique().implode()) & ((pl.col("ready") - pl.col("p0")) < 10**9)))
     # a cold start belongs to the window it ended (became ready) in
     proc = proc.filter((pl.col("ready") >= window.since_ns) & (pl.col("ready") <= window.until_ns))
     if proc.height == 0:

@@ -32,10 +32,21 @@ def load_profile(path: str | Path) -> Profile:
     unknown = set(doc) - known
     if unknown:
         raise ValueError(f"{path}: unknown profile keys {sorted(unknown)} (known: {sorted(known | {'duration_s'})})")
-    try:
-        p = Profile(**doc)
-    except TypeError as e:
-        raise ValueError(f"{path}: {e}") from None
+    types = {f.name: f.type for f in fields(Profile)}
+    for k, v in list(doc.items()):
+        t = str(types[k])
+        if k == "name":
+            doc[k] = str(v)
+            continue
+        if isinstance(v, str) and v.strip().lower() in ("inf", "infinity") and "float" in t:
+            doc[k] = float("inf")
+            continue
+        if v is None and "None" in t:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{path}: {k} must be a number, got {v!r}")
+        doc[k] = int(v) if t.startswith("int") else float(v)
+    p = Profile(**doc)
     if duration:
         if p.request_rate in (float("inf"), 0):
             raise ValueError(f"{path}: duration_s needs a finite request_rate")

@@ -1,0 +1,120 @@
+"""The main job end to end: `ttftscope demo --quick`, `ttftscope run` against a server, `sweep`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+from conftest import PY, ROOT, CollectorProc, VllmServer, free_port, ttftscope_sql
+
+from ttftscope.tinymodel import prompt_of
+
+
+def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans_up(tmp_path):
+    store, port = str(tmp_path / "store"), free_port()
+    proc = subprocess.Popen([PY, "-m", "ttftscope", "demo", "--quick", "--store", store, "--workdir", str(tmp_path / "w"),
+                             "--ui-port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "web UI: http://" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(900), "".join(lines[-60:])
+        assert requests.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=10).status_code == 200
+        kids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert kids, "the UI runs as a child"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(120) in (0, 130)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(1)
+    alive = [p for p in kids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"children left behind: {alive}"
+    out = "".join(lines)
+    for step in ("[1/6]", "[2/6]", "[3/6]", "[4/6", "[5/6]", "[6/6]"):
+        assert step in out, "progress is shown throughout"
+    burst = next(line for line in lines if line.startswith("burst"))
+    assert "queue" in burst.lower(), f"the burst's main cause is queueing: {burst}"
+    names = {r["SpanName"] for r in ttftscope_sql(store, "SELECT DISTINCT SpanName FROM otel_traces")}
+    for span in ("llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.output",
+                 "ttftscope.allreduce", "ttftscope.process", "Load model"):
+        assert span in names, f"real vLLM traces of every phase: {span} missing"
+    runs = ttftscope_sql(store, "SELECT DISTINCT ResourceAttributes['ttftscope.run'] AS r FROM otel_traces WHERE r != ''")
+    assert len(runs) == 1 and runs[0]["r"].startswith("demo-")
+
+
+@pytest.fixture
+def served(tmp_path):
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="run-test").start()
+    yield col, srv
+    srv.stop()
+    if col.proc and col.proc.poll() is None:
+        col.terminate()
+
+
+def test_run_against_a_running_server_is_a_ci_gate(served, tmp_path):
+    col, srv = served
+    prof = tmp_path / "p.yaml"
+    prof.write_text("name: gate\nrequest_rate: 8\nduration_s: 3\ninput_len: 128\noutput_len: 8\n")
+    ok = subprocess.run([PY, "-m", "ttftscope", "run", "--store", col.store, "--server", srv.url, "--profile", str(prof),
+                         "--slo", "p50=5000,p95=10000,p99=20000", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    res = json.loads(ok.stdout)
+    assert res["benchmark"]["completed"] == 24 and res["report"]["requests"] >= 24
+    gate = subprocess.run([PY, "-m", "ttftscope", "run", "--store", col.store, "--server", srv.url, "--profile", str(prof),
+                           "--slo", "p50=0.01"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert gate.returncode == 1, "an SLO violation fails the gate"
+    assert "VIOLATED" in gate.stdout
+    n = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.loadtest'")[0]["n"]
+    assert int(n) == 2, "each run's benchmark numbers are stored next to the traces"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("request_rate: fast\n")
+    r = subprocess.run([PY, "-m", "ttftscope", "run", "--store", col.store, "--server", srv.url, "--profile", str(bad)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_server_killed_mid_profile_is_reported_and_collected_data_kept(served, tmp_path):
+    col, srv = served
+    prof = tmp_path / "p.yaml"
+    prof.write_text("name: long\nrequest_rate: 4\nnum_prompts: 200\ninput_len: 128\noutput_len: 8\n")
+    p = subprocess.Popen([PY, "-m", "ttftscope", "run", "--store", col.store, "--server", srv.url, "--profile", str(prof)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(12)
+    os.killpg(srv.proc.pid, signal.SIGKILL)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 3, (out[-1500:], err[-1500:])
+    assert "exited during profile" in err and "kept" in err
+    n = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'llm_request'")[0]["n"]
+    assert int(n) > 0, "what was collected before the kill is in the store"
+
+
+def test_sweep_over_two_settings_recommends_one(tmp_path):
+    store = str(tmp_path / "store")
+    prof = tmp_path / "p.yaml"
+    prof.write_text("name: sweep\nrequest_rate: inf\nnum_prompts: 40\ninput_len: 256\noutput_len: 4\n")
+    r = subprocess.run([PY, "-m", "ttftscope", "sweep", "--store", store, "--workdir", str(tmp_path / "w"), "--profile", str(prof),
+                        "--grid", "max_num_batched_tokens=64,512"], capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("{'max_num_batched_tokens'")]
+    assert len(rows) == 2 and all("ms" not in row or "m" in row for row in rows)
+    assert "recommended: {'max_num_batched_tokens'" in r.stdout and "lowest TTFT p99" in r.stdout
+    runs = ttftscope_sql(store, "SELECT uniqExact(ResourceAttributes['ttftscope.run']) AS n FROM otel_traces "
+                               "WHERE SpanName = 'llm_request'")
+    assert int(runs[0]["n"]) == 2, "each setting's traces are stored under their own run label"
+    _ = prompt_of
