@@ -158,6 +158,24 @@ def cold_start_findings(cold: list[dict], slo: SLO) -> list[dict]:
     return list(best.values())
 
 
+def cold_requests(df: pl.DataFrame, cold: list[dict], first_n: int = 5, min_ratio: float = 3.0) -> list[dict]:
+    """The first requests after a (re)start much slower than the rest: warm up before serving."""
+    readies = sorted({c["ready_ns"] for c in cold if c.get("ready_ns")})
+    if not readies or df.height < 4 * first_n:
+        return []
+    firsts = pl.concat([df.filter(pl.col("t0") >= r).sort("t0").head(first_n) for r in readies]).unique("trace_id")
+    rest = df.join(firsts.select("trace_id"), on="trace_id", how="anti")
+    if firsts.height < 2 or rest.height < first_n:
+        return []
+    a, b = float(firsts["ttft"].median()), float(rest["ttft"].median())
+    ratio = a / b if b > 0 else 0.0
+    sev = "high" if ratio >= 10 else "medium" if ratio >= min_ratio else None
+    return [f] if (f := _finding("cold_requests", sev, ratio, "x", min(ratio / 20, 1.0),
+                                 f"the first {first_n} requests after a start were {ratio:.0f}x slower "
+                                 f"(median TTFT {a / 1e6:.0f} ms vs {b / 1e6:.0f} ms)",
+                                 request_ids=firsts["request_id"].to_list(), trace_ids=firsts["trace_id"].to_list())) else []
+
+
 def engine_bubble_findings(bubbles: dict) -> list[dict]:
     share = bubbles.get("idle_share", 0.0)
     sev = "high" if share >= 0.2 else "medium" if share >= 0.1 else None

@@ -81,7 +81,7 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
         busy_s = (r["busy"] or 0) / 1e9
         out.append({
             "instance": r["instance"] or r["service"], "role": r["role"], "trace_id": r["trace_id"],
-            "cold_start_s": dur, "target_s": target_s, "over_target": dur > target_s,
+            "cold_start_s": dur, "target_s": target_s, "over_target": dur > target_s, "ready_ns": int(r["ready"]),
             "phases_s": phase_map.get(r["trace"], {}),
             "idle_s": max(dur - busy_s, 0.0), "idle_share": max(dur - busy_s, 0.0) / dur if dur > 0 else 0.0,
             "largest_gap": ({"seconds": r["gap"] / 1e9, "after": r["gap_after"], "before": r["gap_before"]}

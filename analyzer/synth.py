@@ -54,6 +54,8 @@ class Params:
     versions: tuple[str, str] = ("0.32.0", "0.32.0")
     model: str = "tiny-llama"
     priority_frac: float = 0.2  # share of requests in priority class 0 (interactive)
+    cold_requests: int = 0  # the first k requests after start pay a one-off cost (lazy init)
+    cold_extra_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,9 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     slow = np.where(version_b[cid], 1 + p.prefill_regression, 1.0)
     compute = ((p.step_overhead_ms * MS + p.prefill_us_per_token * 1000 * ctoks) * slow
                * rng.lognormal(0, 0.05, cid.size)).astype(np.int64)
+    if p.cold_requests:
+        first = np.isin(cid, np.arange(min(p.cold_requests, n))) & (k == 0)
+        compute = compute + np.where(first, int(p.cold_extra_ms * MS), 0)
     chunk_dur = compute + ar
     wait = np.where(k > 0, (p.chunk_wait_ms * MS * rng.lognormal(0, 0.2, cid.size)).astype(np.int64), 0)
     wait = wait + np.where((k > 0) & (L[cid] > p.starve_tokens),

@@ -227,3 +227,24 @@ def test_perfetto_export_is_valid_chrome_trace(stores, tmp_path):
     assert sum(e["ph"] == "b" for e in ev) == sum(e["ph"] == "e" for e in ev) > 0
     names = {e["args"]["name"] for e in ev if e["ph"] == "M"}
     assert {"api-0", "engine-0", "requests"} <= names
+
+
+def test_slow_first_requests_after_start_are_found_and_warmup_advised(tmp_path):
+    from dataclasses import replace
+
+    sc = synth.SCENARIOS["baseline"]
+    params = replace(sc.params, cold_requests=5, cold_extra_ms=400.0)
+    tables, truth = synth.generate(sc, 2000, seed=21, params=params)
+    st = open_store(str(tmp_path / "s"))
+    import pyarrow as pa
+
+    st.insert_spans(pa.concat_tables(tables), "cold")
+    r = Analyzer(st).analyze(WIN)
+    f = next(x for x in r["findings"] if x["kind"] == "cold_requests")
+    assert f["severity"] == "high" and len(f["evidence"]["request_ids"]) == 5
+    assert any(a["finding"] == "cold_requests" for a in r["advice"])
+    # and the clean baseline (no slow first requests) does not claim it
+    clean, _ = synth.generate(sc, 2000, seed=21)
+    st2 = open_store(str(tmp_path / "s2"))
+    st2.insert_spans(pa.concat_tables(clean), "clean")
+    assert not [x for x in Analyzer(st2).analyze(WIN)["findings"] if x["kind"] == "cold_requests"]
