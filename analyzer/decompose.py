@@ -71,10 +71,11 @@ WITH
     SELECT s.TraceId AS TraceId,
            groupArray((s.prio, s.st, s.en)) AS iv,
            sum(if(s.prio = {_P_PREFILL}, least(s.en - s.st, ifNull(ar.ar_ns, 0)), 0)) AS ar_total,
-           countIf(s.prio = {_P_PREFILL}) AS chunks
+           countIf(s.prio = {_P_PREFILL}) AS chunks,
+           anyIf(s.priority, s.priority != '') AS span_priority
     FROM (
       SELECT TraceId, {prio} AS prio, toUnixTimestamp64Nano(Timestamp) AS st, st + toInt64(Duration) AS en,
-             {a('ttftscope.engine')} AS engine, {a(Attr.STEP)} AS step
+             {a('ttftscope.engine')} AS engine, {a(Attr.STEP)} AS step, {a(Attr.PRIORITY)} AS priority
       FROM otel_traces
       WHERE SpanName IN ({phase_names}) AND {Window.time_filter(60, 600)}
         AND TraceId IN (SELECT TraceId FROM reqs)
@@ -100,7 +101,8 @@ SELECT
   arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 = {_P_PREFILL} AND (x.3 = {_P_OUT} OR x.3 = 0), sg.2 - sg.1, 0), segs, nb)) AS gap_output,
   gap - gap_host - gap_chunk_wait - gap_schedule - gap_output AS gap_other
 FROM (
-  SELECT r.*, sp.chunks AS chunks, sp.ar_total AS ar_total,
+  SELECT r.* REPLACE (if(r.priority != '', r.priority, ifNull(sp.span_priority, '')) AS priority),
+         sp.chunks AS chunks, sp.ar_total AS ar_total,
          length(sp.iv) = 0 AS coarse,
          if(r.ttft_attr > 0, r.ttft_attr,
             arrayMax(arrayConcat([toInt64(0)], arrayMap(x -> if(x.1 = {_P_OUT}, x.3, 0), sp.iv))) - r.t0) AS ttft,

@@ -27,6 +27,7 @@ from ttftscope.loadgen import Profile, run_profile  # noqa: E402
 
 
 def one(mode: str, tmp: Path, profile: Profile) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     col = None
     if mode != "none":
         col = CollectorProc(str(tmp / f"store-{mode}"), tmp / f"spool-{mode}").start()

@@ -118,3 +118,24 @@ def test_sweep_over_two_settings_recommends_one(tmp_path):
                                "WHERE SpanName = 'llm_request'")
     assert int(runs[0]["n"]) == 2, "each setting's traces are stored under their own run label"
     _ = prompt_of
+
+
+def test_run_with_priority_classes(tmp_path):
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="prio", extra=["--scheduling-policy", "priority"]).start()
+    try:
+        prof = tmp_path / "p.yaml"
+        prof.write_text("name: mixed\nrequest_rate: 12\nnum_prompts: 40\ninput_len: 128\noutput_len: 4\n"
+                        "priority_classes: {0: 0.25, 1: 0.75}\n")
+        r = subprocess.run([PY, "-m", "ttftscope", "run", "--store", col.store, "--server", srv.url, "--profile", str(prof),
+                            "--slo", "p50=5000,p95=10000,p99=20000", "--json"], capture_output=True, text=True, cwd=ROOT,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        res = json.loads(r.stdout)
+        assert set(res["benchmark"]["classes"]) == {"0", "1"}
+        assert res["benchmark"]["classes"]["0"]["completed"] == 10 and res["benchmark"]["classes"]["1"]["completed"] == 30
+        assert {"priority=0", "priority=1"} <= set(res["report"]["slo"]["classes"]), "SLO attainment per priority class"
+        assert "queue_p99" in res["report"]["slo"]["classes"]["priority=0"]
+    finally:
+        srv.stop()
+        col.terminate()

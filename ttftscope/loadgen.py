@@ -27,6 +27,10 @@ class Profile:
     max_concurrency: int | None = None
     prefix_len: int = 0  # shared prefix tokens (prefix-caching traffic)
     seed: int = 0
+    priority: int | None = None  # vLLM request priority (needs --scheduling-policy priority)
+    #: mix of priority classes as ((priority, share), ...): the profile runs as one concurrent
+    #: sub-load per class, each with its share of the prompts and of the rate
+    priority_classes: tuple = ()
 
     def args(self, base_url: str, model: str) -> list[str]:
         a = ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
@@ -39,6 +43,8 @@ class Profile:
             a += ["--random-prefix-len", str(self.prefix_len)]
         if self.max_concurrency:
             a += ["--max-concurrency", str(self.max_concurrency)]
+        if self.priority is not None:
+            a += ["--extra-body", json.dumps({"priority": int(self.priority)})]
         return a
 
 
@@ -55,7 +61,26 @@ print("@@RESULT@@" + json.dumps(keep, default=str))
 
 
 def run_profile(base_url: str, model: str, profile: Profile, timeout: float = 1800) -> dict:
-    """Drive ``base_url`` with ``profile``; returns vLLM's benchmark metrics (ms, req/s)."""
+    """Drive ``base_url`` with ``profile``; returns vLLM's benchmark metrics (ms, req/s).
+
+    With priority classes, one sub-load per class runs concurrently; the result carries each
+    class's metrics under ``classes`` and the summed counts and throughput at the top."""
+    if profile.priority_classes:
+        from concurrent.futures import ThreadPoolExecutor
+        from dataclasses import replace
+
+        subs = [replace(profile, priority=int(p), priority_classes=(), seed=profile.seed + i,
+                        num_prompts=max(1, round(profile.num_prompts * share)),
+                        request_rate=profile.request_rate * share if profile.request_rate != float("inf") else profile.request_rate)
+                for i, (p, share) in enumerate(profile.priority_classes)]
+        with ThreadPoolExecutor(len(subs)) as ex:
+            results = list(ex.map(lambda sp: run_profile(base_url, model, sp, timeout), subs))
+        out = {"classes": {str(sp.priority): r for sp, r in zip(subs, results, strict=True)},
+               "completed": sum(r.get("completed", 0) for r in results), "failed": sum(r.get("failed", 0) or 0 for r in results),
+               "request_throughput": sum(r.get("request_throughput", 0.0) for r in results),
+               "median_ttft_ms": max(r["median_ttft_ms"] for r in results), "p99_ttft_ms": max(r["p99_ttft_ms"] for r in results),
+               "profile": asdict(profile)}
+        return out
     r = subprocess.run([sys.executable, "-c", _CHILD, *profile.args(base_url, model)], capture_output=True,
                        text=True, timeout=timeout)
     for line in r.stdout.splitlines():

@@ -27,13 +27,17 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(f"{path}: cannot read the profile: {e}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a profile is a mapping of settings")
-    known = {f.name for f in fields(Profile)}
+    known = {f.name for f in fields(Profile)} - {"priority_classes"}
     duration = doc.pop("duration_s", None)
+    classes = doc.pop("priority_classes", None)
     unknown = set(doc) - known
     if unknown:
-        raise ValueError(f"{path}: unknown profile keys {sorted(unknown)} (known: {sorted(known | {'duration_s'})})")
+        raise ValueError(f"{path}: unknown profile keys {sorted(unknown)} "
+                         f"(known: {sorted(known | {'duration_s', 'priority_classes'})})")
     types = {f.name: f.type for f in fields(Profile)}
     for k, v in list(doc.items()):
+        if k == "priority_classes":
+            continue
         t = str(types[k])
         if k == "name":
             doc[k] = str(v)
@@ -46,6 +50,16 @@ def load_profile(path: str | Path) -> Profile:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{path}: {k} must be a number, got {v!r}")
         doc[k] = int(v) if t.startswith("int") else float(v)
+    if classes is not None:
+        if not isinstance(classes, dict) or not classes:
+            raise ValueError(f"{path}: priority_classes is a mapping priority -> share, e.g. {{0: 0.2, 1: 0.8}}")
+        try:
+            mix = tuple((int(k), float(v)) for k, v in classes.items())
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: priority_classes is a mapping of integer priority -> share") from None
+        if any(v <= 0 for _, v in mix) or abs(sum(v for _, v in mix) - 1) > 1e-6:
+            raise ValueError(f"{path}: priority_classes shares must be positive and sum to 1")
+        doc["priority_classes"] = mix
     p = Profile(**doc)
     if duration:
         if p.request_rate in (float("inf"), 0):

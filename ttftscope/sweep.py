@@ -51,6 +51,8 @@ def record_loadtest(store, res: dict, labels: dict) -> None:
     lo, hi = res["window_ns"]
     b = SpanBatchBuilder(now_ns=hi)
     attrs = {f"ttftscope.loadtest.{k}": str(v) for k, v in res.items() if isinstance(v, (int, float, str)) and k != "report"}
+    for cls, r in res.get("classes", {}).items():
+        attrs.update({f"ttftscope.loadtest.priority.{cls}.{k}": str(v) for k, v in r.items() if isinstance(v, (int, float))})
     attrs.update({f"ttftscope.loadtest.setting.{k}": str(v) for k, v in labels.items()})
     tid = os.urandom(16).hex()
     b.add_span(start=lo, end=hi, trace_id=tid, span_id=os.urandom(8).hex(), parent="", trace_state="",
@@ -125,6 +127,9 @@ def run_command(a) -> int:
         if "error" not in res:
             print(f"benchmark: TTFT p50 {res['median_ttft_ms']:.1f} ms, p99 {res['p99_ttft_ms']:.1f} ms, "
                   f"{res['request_throughput']:.2f} req/s ({res['completed']} completed, {res.get('failed', 0)} failed)")
+            for cls, r in sorted(res.get("classes", {}).items()):
+                print(f"  priority {cls}: TTFT p50 {r['median_ttft_ms']:.1f} ms, p99 {r['p99_ttft_ms']:.1f} ms, "
+                      f"{r['completed']} completed")
         sys.stdout.write(render_text(report))
     if rc:
         return rc
