@@ -5,7 +5,8 @@ the key says ``_s`` / ``_ns``:
   window{since, until, model?, version?, run?}, requests,
   ttft_ms{p50,p95,p99,mean}, phases{<phase>{p50_ms,p95_ms,p99_ms,share}}, coarse_requests,
   tail{quantile, threshold_ms, requests, share{phase|gap_*: share}, slowest[{request_id,trace_id,ttft}]},
-  bands[{band, requests, ttft_ms, phases_ms}], gaps{request{class{...}}, engine{...}},
+  bands[{band, requests, ttft_ms, phases_ms}], critical_path[{band, requests, path_ms{phase: mean ms}}],
+  gaps{request{class{...}}, engine{...}},
   cold_start[{instance, role, cold_start_s, phases_s, idle_s, idle_share, largest_gap, ...}],
   findings[{kind, severity, size, unit, score, title, evidence}], advice[{because, change, expected_effect, ...}],
   slo{targets_ms, classes, violated[]}, change_points[...], versions[...]
@@ -56,6 +57,9 @@ def analyze(store, window: Window, slo: SLO | None = None,
     report.update({k: v for k, v in stats.items()})
     report["tail"] = tail_attribution(df, 0.99)
     report["bands"] = by_percentile_band(df)
+    from .critical_path import path_by_band, request_phase_spans, walk_back
+
+    report["critical_path"] = path_by_band(walk_back(request_phase_spans(store, window)), df)
     prog(3, total, "gaps: request gaps, engine bubbles, cold start")
     bubbles = engine_bubbles(store, window)
     report["gaps"] = {"request": request_gaps(df), "engine": bubbles}

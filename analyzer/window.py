@@ -68,9 +68,9 @@ class Window:
                 "version": self.version or "", "run": self.run or ""}
 
     @staticmethod
-    def time_filter(slack_before_s: int = 0, slack_after_s: int = 0) -> str:
-        return (f"Timestamp >= fromUnixTimestamp64Nano(toInt64({{since:Int64}} - {int(slack_before_s * 1e9)})) "
-                f"AND Timestamp < fromUnixTimestamp64Nano(toInt64({{until:Int64}} + {int(slack_after_s * 1e9)}))")
+    def time_filter(slack_before_s: int = 0, slack_after_s: int = 0, col: str = "Timestamp") -> str:
+        return (f"{col} >= fromUnixTimestamp64Nano(toInt64({{since:Int64}} - {int(slack_before_s * 1e9)})) "
+                f"AND {col} < fromUnixTimestamp64Nano(toInt64({{until:Int64}} + {int(slack_after_s * 1e9)}))")
 
     @staticmethod
     def request_filter() -> str:
