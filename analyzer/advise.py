@@ -34,6 +34,9 @@ _ADVICE = {
     "output_dominates": ("Output handling dominates: detokenization/streaming overhead; check the API server.",
                          "shorter output phase"),
     "load_dominates": ("Requests hit model loading: warm up before taking traffic.", "no cold requests"),
+    "prefix_cache_misses": ("Shared prompt prefixes are recomputed: enable prefix caching (`--enable-prefix-caching`), "
+                            "and keep the shared part (system prompt) byte-identical at the start of the prompt.",
+                            "prefill of repeats shrinks by the shared prefix"),
     "cold_requests": ("The first requests after start pay one-off initialisation (kernels, graphs, caches): send "
                       "warmup requests before marking the server ready / adding it to the load balancer.",
                       "first-request TTFT like the steady state"),

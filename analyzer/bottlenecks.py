@@ -176,6 +176,33 @@ def cold_requests(df: pl.DataFrame, cold: list[dict], first_n: int = 5, min_rati
                                  request_ids=firsts["request_id"].to_list(), trace_ids=firsts["trace_id"].to_list())) else []
 
 
+def prefix_cache_misses(store, window: Window, min_share: float = 0.2) -> list[dict]:
+    """Requests sharing a prompt prefix with others that got no prefix-cache hit."""
+    g = store.query(f"""
+        SELECT SpanAttributes['{Attr.PREFIX_HASH}'] AS h, count() AS n,
+               countIf(toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) = 0) AS missed,
+               groupArray(5)(SpanAttributes['{Attr.REQUEST_ID}']) AS rids, groupArray(5)(TraceId) AS tids
+        FROM otel_traces
+        WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}
+        GROUP BY h""", window.params())
+    if g.height == 0:
+        return []
+    total = int(g["n"].sum())
+    grp = g.filter((pl.col("h") != "") & (pl.col("n") >= 2))
+    shared = int(grp["n"].sum()) if grp.height else 0
+    if total < 20 or shared < min_share * total:
+        return []
+    missed = int(grp["missed"].sum()) - grp.height  # the first request of each prefix cannot hit
+    miss_share = max(missed, 0) / max(shared - grp.height, 1)
+    sev = "high" if miss_share >= 0.8 else "medium" if miss_share >= 0.5 else None
+    top = grp.sort("n", descending=True).head(3)
+    return [f] if (f := _finding("prefix_cache_misses", sev, miss_share, "share", miss_share * 0.6,
+                                 f"{shared / total:.0%} of requests share a prompt prefix, yet {miss_share:.0%} of the repeats "
+                                 "got no prefix-cache hit", shared_requests=shared, prefixes=grp.height,
+                                 request_ids=[r for x in top["rids"].to_list() for r in x][:10],
+                                 trace_ids=[t for x in top["tids"].to_list() for t in x][:10])) else []
+
+
 def engine_bubble_findings(bubbles: dict) -> list[dict]:
     share = bubbles.get("idle_share", 0.0)
     sev = "high" if share >= 0.2 else "medium" if share >= 0.1 else None

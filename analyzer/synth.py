@@ -54,6 +54,8 @@ class Params:
     versions: tuple[str, str] = ("0.32.0", "0.32.0")
     model: str = "tiny-llama"
     priority_frac: float = 0.2  # share of requests in priority class 0 (interactive)
+    shared_prefix_frac: float = 0.0  # share of requests starting with one of a few shared prefixes
+    prefix_cache: bool = True  # when False, shared prefixes get no cache hits
     cold_requests: int = 0  # the first k requests after start pay a one-off cost (lazy init)
     cold_extra_ms: float = 0.0
 
@@ -274,6 +276,14 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     waiting_at = (np.searchsorted(np.sort(ready), cstart, side="right")
                   - np.searchsorted(np.sort(start), cstart, side="right"))
     steps = np.arange(cid.size) + 1
+    # shared prompt prefixes (e.g. a system prompt): a few hashes; cache hits unless disabled
+    shared = rng.random(n) < p.shared_prefix_frac
+    phash = np.where(shared, np.char.add("p", rng.integers(0, 4, n).astype(str)),
+                     np.char.add("u", np.arange(n).astype(str)))
+    phash = np.where(L >= 64, phash, "")
+    cached = np.where(shared & p.prefix_cache & (k[first_chunk] == 0), np.minimum(L, 256), 0)
+    chunk_cached = np.where(k == 0, cached[cid], 0)
+    chunk_hash = np.where(k == 0, phash[cid], "")
     engine = "engine-0"
 
     tables: list[pa.Table] = []
@@ -298,7 +308,8 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
         tables.append(_table(nc, cstart[mc], trace[cid][mc], sids(cid.size, 4)[mc], root[cid][mc], SpanName.PREFILL,
                              "Internal", "vllm", eng, {
                                  Attr.REQUEST_ID: req_id[cid][mc], Attr.STEP: steps[mc], Attr.CHUNK: k[mc],
-                                 Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: np.zeros(nc, dtype=np.int64),
+                                 Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: chunk_cached[mc],
+                                 Attr.PREFIX_HASH: chunk_hash[mc],
                                  Attr.BATCH_SIZE: running[mc] + 1, "ttftscope.engine": np.full(nc, engine)},
                              chunk_dur[mc]))
         tables.append(_table(nm, prefill_end[m], trace[m], sids(n, 5)[m], root[m], SpanName.OUTPUT, "Internal", "vllm", api,

@@ -34,7 +34,7 @@ def traces_endpoint() -> str:
 
 
 class BoundedBatchSpanProcessor(SpanProcessor):
-    def __init__(self, exporter: SpanExporter, *, max_queue: int = 4096, max_batch: int = 512,
+    def __init__(self, exporter: SpanExporter, *, max_queue: int = 8192, max_batch: int = 512,
                  interval_s: float = 0.5) -> None:
         self.exporter = exporter
         self.max_batch = max_batch

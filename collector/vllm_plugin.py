@@ -306,6 +306,7 @@ class _EngineState:
         self.chunks: dict[str, int] = {}
         self.engine = f"engine-{os.getpid()}"
         self.lock = threading.Lock()
+        self.decode_run: list | None = None  # consecutive decode-only steps, merged into one span
 
 
 def _install_engine_hooks() -> None:
@@ -383,8 +384,13 @@ def _on_schedule(st: _EngineState, sched, out, t0: float, t1: float) -> None:
         if before < req.num_prompt_tokens:  # a prefill chunk
             idx = st.chunks.get(req_id, 0)
             st.chunks[req_id] = idx + 1
+            phash = ""
+            if idx == 0:
+                toks = getattr(req, "prompt_token_ids", None)
+                if toks is not None and len(toks) >= 64:
+                    phash = format(hash(tuple(toks[:64])) & 0xFFFFFFFFFFFF, "x")  # same process, same hash seed
             chunks.append((req_id, n, max(getattr(req, "num_cached_tokens", 0) or 0, 0), idx, req.trace_headers,
-                           _ext_id(req)))
+                           _ext_id(req), phash))
     for nr in getattr(out, "scheduled_new_reqs", []) or []:
         req = sched.requests.get(nr.req_id)
         with st.lock:
@@ -407,18 +413,42 @@ def _on_step_done(st: _EngineState, sched, out, t_end: float) -> None:
         return
     step, t0, t1, chunks, batch, running, waiting, total = item
     prefill_tokens = sum(c[1] for c in chunks)
-    for req_id, n, cached, idx, th, ext in chunks:
-        _span(SpanName.PREFILL, t1, t_end, {
-            Attr.REQUEST_ID: ext, Attr.PHASE: "prefill", Attr.STEP: step, Attr.CHUNK: idx,
-            Attr.TOKENS_COMPUTED: n, Attr.TOKENS_CACHED: cached, Attr.BATCH_SIZE: batch,
-            "ttftscope.engine": st.engine}, _ctx(th))
+    for req_id, n, cached, idx, th, ext, phash in chunks:
+        attrs = {Attr.REQUEST_ID: ext, Attr.PHASE: "prefill", Attr.STEP: step, Attr.CHUNK: idx,
+                 Attr.TOKENS_COMPUTED: n, Attr.TOKENS_CACHED: cached, Attr.BATCH_SIZE: batch, "ttftscope.engine": st.engine}
+        if phash:
+            attrs[Attr.PREFIX_HASH] = phash
+        _span(SpanName.PREFILL, t1, t_end, attrs, _ctx(th))
         req = sched.requests.get(req_id)
         if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
             st.chunks.pop(req_id, None)
-    if total:
-        _span(SpanName.STEP, t0, t_end, {
-            Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0),
-            Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, "ttftscope.engine": st.engine})
+    if not total:
+        return
+    decode = max(total - prefill_tokens, 0)
+    if prefill_tokens == 0 and waiting == 0:
+        # decode-only steps with nobody waiting cannot delay a first token: merge runs of them
+        # into one span (the timeline stays continuous at a fraction of the cost)
+        r = st.decode_run
+        if r is None:
+            st.decode_run = [t0, t_end, 1, decode, running, step]
+        else:
+            r[1], r[2], r[3], r[4] = t_end, r[2] + 1, r[3] + decode, max(r[4], running)
+        if st.decode_run[2] >= 512 or t_end - st.decode_run[0] > 1.0:
+            _flush_decode_run(st)
+        return
+    _flush_decode_run(st)
+    _span(SpanName.STEP, t0, t_end, {
+        Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: decode,
+        Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, "ttftscope.engine": st.engine})
+
+
+def _flush_decode_run(st: _EngineState) -> None:
+    r, st.decode_run = st.decode_run, None
+    if r is None:
+        return
+    _span(SpanName.STEP, r[0], r[1], {
+        Attr.STEP: r[5], "ttftscope.step.count": r[2], Attr.STEP_PREFILL_TOKENS: 0, Attr.STEP_DECODE_TOKENS: r[3],
+        Attr.RUNNING: r[4], Attr.WAITING: 0, "ttftscope.engine": st.engine})
 
 
 # --------------------------------------------------------------------------- workers

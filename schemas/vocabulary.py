@@ -113,6 +113,7 @@ class Attr:
     CHUNK = f"{PREFIX}.prefill.chunk"  # chunk index within a request's prefill
     TOKENS_COMPUTED = f"{PREFIX}.tokens.computed"
     TOKENS_CACHED = f"{PREFIX}.tokens.cached"  # served from the prefix cache
+    PREFIX_HASH = f"{PREFIX}.prefix.hash"  # hash of the first 64 prompt tokens (first chunk only)
     BATCH_SIZE = f"{PREFIX}.batch.size"
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"

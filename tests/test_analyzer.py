@@ -275,3 +275,22 @@ def test_critical_path_walks_back_through_every_chunk_and_tolerates_skew(stores)
     assert p2.filter(pl.col("step") == 0)["phase"].eq("output").mean() > 0.99
     r = Analyzer(st).analyze(WIN)
     assert [b["band"] for b in r["critical_path"]] == ["≤p50", "p50–p95", "p95–p99", "≥p99"]
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_shared_prefixes_without_cache_hits_advise_prefix_caching(tmp_path, cache):
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    sc = synth.SCENARIOS["baseline"]
+    tables, _ = synth.generate(sc, 1500, seed=31, params=replace(sc.params, shared_prefix_frac=0.6, prefix_cache=cache))
+    st = open_store(str(tmp_path / "s"))
+    st.insert_spans(pa.concat_tables(tables), "p")
+    r = Analyzer(st).analyze(WIN)
+    found = [f for f in r["findings"] if f["kind"] == "prefix_cache_misses"]
+    if cache:
+        assert not found, "prefix caching that hits is not a finding"
+    else:
+        assert found and found[0]["severity"] == "high" and found[0]["evidence"]["request_ids"]
+        assert any(a["finding"] == "prefix_cache_misses" for a in r["advice"])

@@ -10,6 +10,7 @@ from ttftscope.dashboards.ui.common import (
     PHASE_COLORS,
     decomposition,
     guard,
+    report,
     sidebar_window,
     store_url,
 )
@@ -61,3 +62,14 @@ with guard():
     stats = phase_stats(df)
     st.dataframe(pl.DataFrame([{"phase": p, **v} for p, v in stats["phases"].items()]), hide_index=True,
                  width="stretch")
+    st.subheader("Critical path per percentile band (walk-back from the first token)")
+    rep = report(store_url(), w.since_ns, w.until_ns, w.model, w.version, st.session_state.get("slo_spec"))
+    cp = rep.get("critical_path") or []
+    if cp:
+        rows = [{"band": b["band"], "phase": p, "ms": v} for b in cp for p, v in b["path_ms"].items()]
+        cpf = px.bar(pl.DataFrame(rows).to_pandas(), x="ms", y="band", color="phase", orientation="h",
+                     color_discrete_map=PHASE_COLORS, category_orders={"band": [b["band"] for b in cp]})
+        cpf.update_layout(height=260, xaxis_title="mean ms on the critical path", margin={"t": 10, "b": 10})
+        st.plotly_chart(cpf, width="stretch")
+    else:
+        st.caption("No phase spans to walk (stock vLLM traces carry only llm_request).")
