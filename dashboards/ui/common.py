@@ -51,21 +51,30 @@ def analyzer() -> Analyzer:
         raise UIError(f"Cannot open the store {url}: {e}") from None
 
 
-@st.cache_data(ttl=5, show_spinner=False)
-def data_range(url: str) -> tuple[int, int] | None:
+@st.cache_data(ttl=60, show_spinner=False)
+def data_range(url: str, tick: int = 0) -> tuple[int, int] | None:
     from ttftscope.analyzer.requests import data_range as dr
 
     return dr(_analyzer(url).store)
 
 
-@st.cache_data(ttl=5, show_spinner="analysing…")
-def report(url: str, since: int, until: int, model: str | None, version: str | None, slo_spec: str | None) -> dict:
+@st.cache_data(ttl=60, show_spinner="analysing…", max_entries=32)
+def report(url: str, since: int, until: int, model: str | None, version: str | None, slo_spec: str | None,
+           tick: int = 0) -> dict:
     return _analyzer(url).analyze(Window(since, until, model or None, version or None), SLO.parse(slo_spec))
 
 
-@st.cache_data(ttl=5, show_spinner="decomposing…")
-def decomposition(url: str, since: int, until: int, model: str | None, version: str | None):
+# a resource, not data: the frame (1M rows at scale) is shared read-only instead of being
+# pickled and copied on every cache hit (polars operations never modify it in place)
+@st.cache_resource(ttl=60, show_spinner="decomposing…", max_entries=8)
+def decomposition(url: str, since: int, until: int, model: str | None, version: str | None, tick: int = 0):
     return _analyzer(url).decompose(Window(since, until, model or None, version or None))
+
+
+@st.cache_data(ttl=60, show_spinner="comparing…", max_entries=16)
+def compare(url: str, a: tuple, b: tuple) -> dict:
+    """Compare two windows given as (since, until, model, version) tuples (cached)."""
+    return _analyzer(url).compare(Window(*a), Window(*b))
 
 
 def sidebar_window(key: str = "win") -> Window:
@@ -75,11 +84,11 @@ def sidebar_window(key: str = "win") -> Window:
     st.sidebar.caption(f"store: `{url}`")
     choice = st.sidebar.selectbox("Window", list(WINDOWS), key=f"{key}_choice")
     seconds = WINDOWS[choice]
-    rng = data_range(url)
+    rng = data_range(url, live_tick())
     if rng is None:
         raise UIError("The store holds no requests yet. Send traces to `ttftscope collect`, or fill it with "
                       "`ttftscope synth --scenario queue-surge`.")
-    now = time.time_ns()
+    now = (time.time_ns() // (60 * 10**9) + 1) * 60 * 10**9  # snapped to the minute: reruns hit the cache
     if seconds == -1 or (seconds is None and rng[1] < now - 3600 * 10**9):
         w = Window(rng[0], rng[1] + 10**9)
     elif seconds is None:
@@ -93,6 +102,11 @@ def sidebar_window(key: str = "win") -> Window:
     st.session_state["slo_spec"] = slo
     _ = a
     return Window(w.since_ns, w.until_ns, model, version)
+
+
+def live_tick() -> int:
+    """A cache key that changes every 5 s while live refresh is on (else results live 60 s)."""
+    return int(time.time() // 5) if st.session_state.get("live") else 0
 
 
 def fmt_ms(v) -> str:

@@ -8,7 +8,14 @@ import streamlit as st
 from ttftscope.analyzer import Window
 from ttftscope.analyzer.compare import significant_shifts
 from ttftscope.analyzer.requests import choices
-from ttftscope.dashboards.ui.common import analyzer, decomposition, guard, sidebar_window, store_url
+from ttftscope.dashboards.ui.common import (
+    analyzer,
+    compare,
+    decomposition,
+    guard,
+    sidebar_window,
+    store_url,
+)
 
 st.title("Compare")
 with guard():
@@ -37,7 +44,8 @@ with guard():
         a = Window(*pick(c[0], "A", w.since_ns, mid), w.model, w.version)
         b = Window(*pick(c[1], "B", mid, w.until_ns), w.model, w.version)
         la, lb = "A", "B"
-    res = analyzer().compare(a, b)
+    analyzer()  # a clear message if the store cannot be opened
+    res = compare(store_url(), (a.since_ns, a.until_ns, a.model, a.version), (b.since_ns, b.until_ns, b.model, b.version))
     if "error" in res:
         st.info(f"Nothing to compare: {res['error']} (A: {res['a']['requests']}, B: {res['b']['requests']} requests).")
         st.stop()

@@ -8,6 +8,7 @@ from ttftscope.dashboards.ui.common import (
     decomposition,
     fmt_ms,
     guard,
+    live_tick,
     report,
     sidebar_window,
     store_url,
@@ -16,7 +17,7 @@ from ttftscope.dashboards.ui.common import (
 st.title("TTFT overview")
 with guard():
     WINDOW = sidebar_window("ov")
-live = st.sidebar.toggle("Live refresh (5 s)", value=False)
+live = st.sidebar.toggle("Live refresh (5 s)", value=False, key="live")
 
 
 @st.fragment(run_every="5s" if live else None)
@@ -30,7 +31,7 @@ def body() -> None:
             now = time.time_ns() + 10**9
             if w.until_ns >= now - 5 * 10**9:
                 w = type(w)(now - span, now, w.model, w.version)
-        r = report(store_url(), w.since_ns, w.until_ns, w.model, w.version, st.session_state.get("slo_spec"))
+        r = report(store_url(), w.since_ns, w.until_ns, w.model, w.version, st.session_state.get("slo_spec"), live_tick())
         if not r.get("requests"):
             st.info("No requests with a measurable TTFT in this window. Pick a wider window in the sidebar.")
             return
@@ -43,7 +44,7 @@ def body() -> None:
                             delta=None if tgt is None else f"{r['ttft_ms'][q] - tgt:+,.0f} ms vs target",
                             delta_color="inverse")
         c[4].metric("SLO attainment (p99 target)", f"{slo.get('p99', {}).get('attainment', 0):.1%}")
-        ts = timeseries(decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version))
+        ts = timeseries(decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version, live_tick()))
         fig = go.Figure()
         for q, color in (("p50", "#1f77b4"), ("p95", "#ff7f0e"), ("p99", "#d62728")):
             fig.add_scatter(x=ts["time"].to_list(), y=ts[q].to_list(), name=f"TTFT {q}", line={"color": color})
