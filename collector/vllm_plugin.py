@@ -314,6 +314,17 @@ def _install_engine_hooks() -> None:
 
     st = _EngineState()
     _STATE["engine"] = st
+
+    def flush_idle() -> None:  # a run of decode steps ends when the engine goes idle, too
+        while True:
+            time.sleep(0.5)
+            try:
+                _flush_decode_run(st, idle_s=0.5)
+            except Exception:  # noqa: BLE001
+                log.exception("ttftscope: idle flush failed")
+                return
+
+    threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
     S = sched.Scheduler
 
     orig_add = S.add_request
@@ -428,12 +439,14 @@ def _on_step_done(st: _EngineState, sched, out, t_end: float) -> None:
     if prefill_tokens == 0 and waiting == 0:
         # decode-only steps with nobody waiting cannot delay a first token: merge runs of them
         # into one span (the timeline stays continuous at a fraction of the cost)
-        r = st.decode_run
-        if r is None:
-            st.decode_run = [t0, t_end, 1, decode, running, step]
-        else:
-            r[1], r[2], r[3], r[4] = t_end, r[2] + 1, r[3] + decode, max(r[4], running)
-        if st.decode_run[2] >= 512 or t_end - st.decode_run[0] > 1.0:
+        with st.lock:
+            r = st.decode_run
+            if r is None:
+                st.decode_run = [t0, t_end, 1, decode, running, step, step]
+            else:
+                r[1], r[2], r[3], r[4], r[6] = t_end, r[2] + 1, r[3] + decode, max(r[4], running), step
+            full = st.decode_run[2] >= 512 or t_end - st.decode_run[0] > 1.0
+        if full:
             _flush_decode_run(st)
         return
     _flush_decode_run(st)
@@ -442,12 +455,14 @@ def _on_step_done(st: _EngineState, sched, out, t_end: float) -> None:
         Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, "ttftscope.engine": st.engine})
 
 
-def _flush_decode_run(st: _EngineState) -> None:
-    r, st.decode_run = st.decode_run, None
-    if r is None:
-        return
+def _flush_decode_run(st: _EngineState, idle_s: float | None = None) -> None:
+    with st.lock:
+        r = st.decode_run
+        if r is None or (idle_s is not None and time.time() - r[1] < idle_s):
+            return
+        st.decode_run = None
     _span(SpanName.STEP, r[0], r[1], {
-        Attr.STEP: r[5], "ttftscope.step.count": r[2], Attr.STEP_PREFILL_TOKENS: 0, Attr.STEP_DECODE_TOKENS: r[3],
+        Attr.STEP: r[5], Attr.STEP_LAST: r[6], Attr.STEP_COUNT: r[2], Attr.STEP_PREFILL_TOKENS: 0, Attr.STEP_DECODE_TOKENS: r[3],
         Attr.RUNNING: r[4], Attr.WAITING: 0, "ttftscope.engine": st.engine})
 
 

@@ -110,6 +110,8 @@ class Attr:
     SCHEMA_VERSION = f"{PREFIX}.schema_version"
     PRIORITY = f"{PREFIX}.priority"
     STEP = f"{PREFIX}.step"  # engine step number
+    STEP_LAST = f"{PREFIX}.step.last"  # last step of a merged run of decode-only steps
+    STEP_COUNT = f"{PREFIX}.step.count"  # steps in a merged run
     CHUNK = f"{PREFIX}.prefill.chunk"  # chunk index within a request's prefill
     TOKENS_COMPUTED = f"{PREFIX}.tokens.computed"
     TOKENS_CACHED = f"{PREFIX}.tokens.cached"  # served from the prefix cache
