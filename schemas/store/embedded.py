@@ -76,6 +76,16 @@ def _atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def _publish(tmp: Path, final: Path) -> None:
+    """Make a finished part file durable, then visible under its final name."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
 def _literal(v: Any) -> str:
     """A value in ClickHouse's text format for a composite query parameter."""
     if isinstance(v, str):
@@ -226,12 +236,7 @@ class EmbeddedStore(Store):
             write_statistics=True,
             bloom_filter_options={"TraceId": {"ndv": max(table.num_rows, 1), "fpp": 0.01}},
         )
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+        _publish(tmp, final)
         return {
             "name": name,
             "rows": table.num_rows,
@@ -324,12 +329,7 @@ class EmbeddedStore(Store):
                 f = pq.ParquetFile(path)
                 for batch in f.iter_batches(batch_size=self.row_group_size):
                     w.write_batch(batch, row_group_size=self.row_group_size)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+        _publish(tmp, final)
         return {"name": name, "rows": rows, "min_ts": lo, "max_ts": hi, "day": lo // NS_PER_DAY, "level": level,
                 "bytes": final.stat().st_size, "created": time.time()}
 
