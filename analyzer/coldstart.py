@@ -8,7 +8,7 @@ Uses the plugin's ``ttftscope.process`` span (process start -> ready) and the lo
 from __future__ import annotations
 
 import polars as pl
-from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, Attr, ResourceAttr, SpanName
+from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, ResourceAttr, SpanName
 
 from .window import Window
 
@@ -90,4 +90,4 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
     return out
 
 
-__all__ = ["cold_start", "Attr"]
+__all__ = ["cold_start"]

@@ -7,7 +7,6 @@ with the request's id) so overlapping requests never collide on one thread.
 
 from __future__ import annotations
 
-import polars as pl
 from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName, phase_of
 
 from .window import Window
@@ -64,4 +63,4 @@ def export_perfetto(store, *, trace_ids: list[str] | None = None, request_ids: l
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["export_perfetto", "pl"]
+__all__ = ["export_perfetto"]

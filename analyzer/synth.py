@@ -14,7 +14,7 @@ step on every TP rank), then the first token back through the API server.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -410,8 +410,7 @@ def write(store, scenario: str, n_requests: int, *, seed: int = 0, start_ns: int
     # chunks go back in time from t_end so the newest data ends at t_end
     parts = [min(chunk, n_requests - i) for i in range(0, n_requests, chunk)]
     for j, m in enumerate(parts):
-        tables, truth = generate(sc, m, seed=seed + j, start_ns=t_end, run=run,
-                                 params=replace(sc.params, cold_start_s=sc.params.cold_start_s))
+        tables, truth = generate(sc, m, seed=seed + j, start_ns=t_end, run=run)
         store.insert_spans(pa.concat_tables(tables), f"synth-{run}-{j}-{time.time_ns()}")
         t_end = truth["window"]["start_ns"] - 10**9
         truths.append(truth)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,10 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ttftscope.servers import free_port, vllm_args  # noqa: E402 - the same helpers the CLI uses
 
 
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
@@ -163,10 +159,7 @@ class VllmServer:
         self.model = str(build_tiny_model(tmp / "tinymodel"))
         self.port = free_port()
         self.log = tmp / f"vllm-{self.port}.log"
-        self.cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--load-format", "dummy",
-                    "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-batched-tokens", "128",
-                    "--enforce-eager", "--gpu-memory-utilization", "0.3", "--port", str(self.port),
-                    "--tensor-parallel-size", str(tp), *(extra or [])]
+        self.cmd = vllm_args(self.model, self.port, tp=tp, extra=extra)
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TTFTSCOPE_RUN": run,
                     "TTFTSCOPE_ENABLED": "1" if plugin else "0", "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
         if tp > 1:

@@ -106,7 +106,6 @@ def test_phase_metrics_on_the_collector_match_the_spans_sent(collector_factory):
     """Spans of a synthetic workload sent over OTLP: /metrics counts exactly what was sent."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    from ttftscope.collector.otlp import SpanBatchBuilder  # noqa: F401
     tables, truth = synth.generate("allreduce-concurrency", 300, seed=4)
     t = pa.concat_tables(tables)
     col = collector_factory().start()

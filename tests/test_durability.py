@@ -6,7 +6,6 @@ import subprocess
 import threading
 import time
 
-import pytest
 import requests
 from conftest import PY, ROOT, ClickHouseFixture, free_port, ttftscope_sql
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
@@ -205,8 +204,7 @@ def test_concurrent_reads_while_writing(collector_factory):
     assert len(_stored(col.store)) == len(sender.acked)
 
 
-@pytest.mark.parametrize("merge", [True])
-def test_merges_keep_every_row_and_readers_consistent(tmp_path, merge):
+def test_merges_keep_every_row_and_readers_consistent(tmp_path):
     from ttftscope.collector.otlp import decode
     from ttftscope.schemas.store import open_store
 

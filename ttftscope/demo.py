@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .loadgen import Profile
-from .servers import Child, collector, free_port, vllm
+from .servers import Child, collector, vllm
 
 PROFILES = [
     Profile("steady", num_prompts=60, request_rate=10, input_len=256, output_len=16),
@@ -153,4 +153,4 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
             c.stop(grace=30)
 
 
-__all__ = ["run_demo", "free_port"]
+__all__ = ["run_demo"]
