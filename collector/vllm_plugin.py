@@ -520,7 +520,7 @@ def _install_worker_hooks() -> None:
         def make(orig):
             @functools.wraps(orig)
             def execute_model(self, scheduler_output, *a, **kw):
-                _on_exec_start(ws, scheduler_output)
+                _on_exec_start(ws, scheduler_output, self)
                 try:
                     return orig(self, scheduler_output, *a, **kw)
                 finally:
@@ -585,7 +585,10 @@ def _on_allreduce(ws: _WorkerState, input_, wall: float, dt: float) -> None:
 
 
 @_guard("exec_start")
-def _on_exec_start(ws: _WorkerState, scheduler_output) -> None:
+def _on_exec_start(ws: _WorkerState, scheduler_output, worker=None) -> None:
+    if "eager" not in _STATE:  # per-call CUDA collective timing is only safe without graphs
+        mc = getattr(worker, "model_config", None) or getattr(getattr(worker, "vllm_config", None), "model_config", None)
+        _STATE["eager"] = bool(getattr(mc, "enforce_eager", False))
     ws.count, ws.bytes, ws.time, ws.first = 0, 0, 0.0, None
     ws.step = getattr(scheduler_output, "_ttftscope_step", None)
     if ws.rank is None:
