@@ -103,7 +103,7 @@ def _setup_otel(role: str) -> None:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from .otel_setup import BoundedBatchSpanProcessor, traces_endpoint
+    from .otel_setup import BoundedBatchSpanProcessor, DeferredSpans, traces_endpoint
 
     endpoint = traces_endpoint()
     # vLLM's own tracing exports with these: make it speak OTLP/HTTP to the same endpoint
@@ -127,10 +127,30 @@ def _setup_otel(role: str) -> None:
         # no SDK provider yet: ours becomes the global one, so vLLM's own spans
         # (llm_request, start-up) flow through the same bounded pipeline
         trace.set_tracer_provider(provider)
-    _STATE.update(tracer=provider.get_tracer("ttftscope.vllm", "0.1.0"), processor=proc, provider=provider)
+    tracer = provider.get_tracer("ttftscope.vllm", "0.1.0")
+    deferred = DeferredSpans(tracer)  # hooks only append tuples; the export thread builds the spans
+    proc.add_source(deferred)
+    _STATE.update(tracer=tracer, processor=proc, provider=provider, deferred=deferred)
     import atexit
+    from multiprocessing import util as mp_util
 
-    atexit.register(proc.shutdown)
+    # vLLM's engine core and workers are multiprocessing children: a forked child leaves
+    # through os._exit, which skips atexit but runs multiprocessing's finalizers
+    atexit.register(_on_exit)
+    mp_util.Finalize(None, _on_exit, exitpriority=100)
+
+
+def _on_exit() -> None:
+    """Last spans out at process exit: the open run of decode steps, then the export queue."""
+    if _STATE.get("exited"):
+        return
+    _STATE["exited"] = True
+    try:
+        if (st := _STATE.get("engine")) is not None:
+            _flush_decode_run(st)
+        _STATE["processor"].shutdown()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
 
 
 def register() -> None:
@@ -156,25 +176,17 @@ def register() -> None:
 
 # ------------------------------------------------------------------- span helpers
 
-def _ctx(trace_headers):
-    if not trace_headers:
-        return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    return TraceContextTextMapPropagator().extract(dict(trace_headers))
-
-
 def _sampled(trace_headers) -> bool:
     tp = (trace_headers or {}).get("traceparent", "")
     return len(tp) >= 55 and tp[-2:] != "00"
 
 
-def _span(name: str, start_s: float, end_s: float, attrs: dict, ctx=None) -> None:
-    tracer = _STATE["tracer"]
-    if tracer is None:
-        return
-    s = tracer.start_span(name, context=ctx, start_time=int(start_s * 1e9), attributes=attrs)
-    s.end(end_time=int(max(end_s, start_s) * 1e9))
+def _span(name: str, start_s: float, end_s: float, attrs: dict, parent=None) -> None:
+    """Record a finished span (an O(1) append; the export thread builds the SDK span).
+    ``parent``: the request's trace headers, an OpenTelemetry Context, or None."""
+    d = _STATE.get("deferred")
+    if d is not None:
+        d.add(name, start_s, end_s, attrs, parent)
 
 
 _INTERNAL_SUFFIX = __import__("re").compile(r"-[0-9a-f]{8}$")
@@ -279,7 +291,7 @@ def _emit_tokenize(trace_headers) -> None:
     if r is None or not _sampled(trace_headers):
         return
     _RENDER.set(None)
-    _span(SpanName.TOKENIZE, r[0], r[1], {Attr.PHASE: "tokenize"}, _ctx(trace_headers))
+    _span(SpanName.TOKENIZE, r[0], r[1], {Attr.PHASE: "tokenize"}, trace_headers)
 
 
 @_guard("output")
@@ -293,7 +305,7 @@ def _emit_output(engine_core_output, req_state) -> None:
     produced = m.first_token_ts + _MONO_TO_WALL  # engine clock (monotonic) -> wall, same host
     delivered = m.arrival_time + m.first_token_latency
     _span(SpanName.OUTPUT, min(produced, delivered), delivered,
-          {Attr.REQUEST_ID: req_state.external_req_id, Attr.PHASE: "output"}, _ctx(th))
+          {Attr.REQUEST_ID: req_state.external_req_id, Attr.PHASE: "output"}, th)
 
 
 # ---------------------------------------------------------------------- engine core
@@ -317,14 +329,15 @@ def _install_engine_hooks() -> None:
 
     def flush_idle() -> None:  # a run of decode steps ends when the engine goes idle, too
         while True:
-            time.sleep(0.5)
+            time.sleep(0.25)
             try:
-                _flush_decode_run(st, idle_s=0.5)
+                _flush_decode_run(st, idle_s=0.25)
             except Exception:  # noqa: BLE001
                 log.exception("ttftscope: idle flush failed")
                 return
 
     threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
+
     S = sched.Scheduler
 
     orig_add = S.add_request
@@ -408,7 +421,7 @@ def _on_schedule(st: _EngineState, sched, out, t0: float, t1: float) -> None:
             q = st.queued.pop(nr.req_id, None)
         if q is not None and req is not None:
             _span(SpanName.QUEUE, q, t0, {Attr.REQUEST_ID: _ext_id(req), Attr.PHASE: "queue",
-                                          Attr.PRIORITY: str(getattr(req, "priority", 0))}, _ctx(req.trace_headers))
+                                          Attr.PRIORITY: str(getattr(req, "priority", 0))}, req.trace_headers)
     with st.lock:
         st.pending[id(out)] = (step, t0, t1, chunks, len(out.num_scheduled_tokens), len(sched.running),
                                len(sched.waiting), out.total_num_scheduled_tokens)
@@ -429,7 +442,7 @@ def _on_step_done(st: _EngineState, sched, out, t_end: float) -> None:
                  Attr.TOKENS_COMPUTED: n, Attr.TOKENS_CACHED: cached, Attr.BATCH_SIZE: batch, "ttftscope.engine": st.engine}
         if phash:
             attrs[Attr.PREFIX_HASH] = phash
-        _span(SpanName.PREFILL, t1, t_end, attrs, _ctx(th))
+        _span(SpanName.PREFILL, t1, t_end, attrs, th)
         req = sched.requests.get(req_id)
         if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
             st.chunks.pop(req_id, None)

@@ -37,8 +37,10 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 6
 class CollectorProc:
     """``ttftscope collect`` as a real subprocess."""
 
-    def __init__(self, store: str, spool: Path, port: int | None = None, extra: list[str] | None = None):
+    def __init__(self, store: str, spool: Path, port: int | None = None, extra: list[str] | None = None,
+                 flush_interval: float = 0.2, nice: int = 0):
         self.store, self.spool = store, spool
+        self.flush_interval, self.nice = flush_interval, nice
         self.port = port or free_port()
         self.extra = extra or []
         self.proc: subprocess.Popen | None = None
@@ -50,11 +52,31 @@ class CollectorProc:
 
     def start(self) -> CollectorProc:
         cmd = [PY, "-m", "ttftscope", "collect", "--store", self.store, "--spool", str(self.spool),
-               "--listen", f"127.0.0.1:{self.port}", "--flush-interval", "0.2", *self.extra]
+               "--listen", f"127.0.0.1:{self.port}", "--flush-interval", str(self.flush_interval), *self.extra]
         self._logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT)
+        nice = self.nice  # from birth, so every thread (and chDB's pool) inherits it
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         wait_http(self.url + "/healthz", self.proc)
         return self
+
+    def spans_received(self) -> float:
+        text = requests.get(self.url + "/metrics", timeout=5).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("ttftscope_collector_spans_received_total"))
+
+    def wait_quiet(self, quiet_s: float = 2.0, timeout: float = 60) -> float:
+        """Until no span has arrived for ``quiet_s`` (exporters drained), not a fixed sleep."""
+        deadline = time.monotonic() + timeout
+        last, since = self.spans_received(), time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            n = self.spans_received()
+            if n != last:
+                last, since = n, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return n
+        raise TimeoutError(f"spans still arriving after {timeout}s")
 
     def terminate(self, timeout: float = 60) -> int:
         assert self.proc is not None

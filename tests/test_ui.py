@@ -176,3 +176,52 @@ def test_every_page_in_a_real_headless_chromium(filled):
         os.killpg(proc.pid, 15)
         proc.wait(30)
     assert Path(ARTIFACTS / "overview.png").exists()
+
+
+def test_a_moved_window_shows_the_last_answer_while_the_new_one_computes():
+    """Stale-while-revalidate: only a slot's first view computes in front of the viewer."""
+    import threading
+
+    from ttftscope.dashboards.ui.refresh import StaleWhileRevalidate
+
+    gate, calls = threading.Event(), []
+
+    def analyse(since: int) -> str:
+        calls.append(since)
+        if len(calls) > 1:
+            assert gate.wait(30), "the test never released the background refresh"
+        return f"answer for {since}"
+
+    swr = StaleWhileRevalidate(ttl_s=3600)
+    assert swr.get("last hour", (1,), analyse).value == "answer for 1"
+    assert swr.get("last hour", (1,), analyse).value == "answer for 1" and calls == [1], "a cache hit computes nothing"
+    a = swr.get("last hour", (2,), analyse)  # the window moved: returns while analyse(2) is blocked
+    assert a.value == "answer for 1" and a.refreshing
+    assert swr.get("last hour", (3,), analyse).value == "answer for 1"
+    gate.set()
+    assert swr.wait_idle(30)
+    assert calls == [1, 2], "one background refresh at a time per slot"
+    b = swr.get("last hour", (2,), analyse)
+    assert (b.value, b.refreshing, b.error) == ("answer for 2", False, None)
+    assert swr.get("other filter", (2,), analyse).value == "answer for 2" and calls == [1, 2, 2], "slots are separate"
+
+
+def test_a_failed_background_refresh_keeps_the_last_answer_and_says_why():
+    from ttftscope.dashboards.ui.refresh import StaleWhileRevalidate
+
+    def analyse(since: int) -> int:
+        if since > 1:
+            raise ConnectionError("store unreachable")
+        return since
+
+    swr = StaleWhileRevalidate(ttl_s=3600, max_slots=2)
+    swr.get("s", (1,), analyse)
+    swr.get("s", (2,), analyse)
+    assert swr.wait_idle(30)
+    a = swr.get("s", (1,), analyse)
+    assert a.value == 1 and "store unreachable" in (a.error or "")
+    with pytest.raises(ConnectionError):  # a new slot has nothing to fall back on: the page shows the error
+        swr.get("new", (5,), analyse)
+    swr.get("t", (1,), analyse)
+    swr.get("u", (1,), analyse)
+    assert len(swr._slots) == 2, "LRU-bounded"

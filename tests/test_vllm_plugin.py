@@ -106,7 +106,7 @@ def test_client_traceparent_is_continued(tmp_path):
         srv.completion(prompt_of(20, 1), headers={"traceparent": f"00-{tid}-{parent}-01"})
         unsampled = "5bf92f3577b34da6a3ce929d0e0e4736"
         srv.completion(prompt_of(20, 2), headers={"traceparent": f"00-{unsampled}-{parent}-00"})
-        time.sleep(1.5)
+        col.wait_quiet()  # the plugin exports every 0.5 s; decode runs close after 0.25 s idle
     finally:
         srv.stop()
     assert col.terminate() == 0
@@ -125,7 +125,7 @@ def test_tensor_parallel_2_allreduce_from_both_ranks_linked_to_steps(tmp_path):
     try:
         for i in range(3):
             srv.completion(prompt_of(200, i))
-        time.sleep(1.5)
+        col.wait_quiet()  # the plugin exports every 0.5 s; decode runs close after 0.25 s idle
     finally:
         srv.stop()
     assert col.terminate() == 0

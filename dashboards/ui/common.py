@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import streamlit as st
 from ttftscope.analyzer import Analyzer, Window
 from ttftscope.analyzer.slo import SLO
+from ttftscope.dashboards.ui.refresh import StaleWhileRevalidate
 from ttftscope.schemas.store import StoreError, default_store_url, open_store
 from ttftscope.schemas.vocabulary import PHASES
 
@@ -58,26 +60,69 @@ def data_range(url: str, tick: int = 0) -> tuple[int, int] | None:
     return dr(_analyzer(url).store)
 
 
-@st.cache_data(ttl=60, show_spinner="analysing…", max_entries=32)
-def report(url: str, since: int, until: int, model: str | None, version: str | None, slo_spec: str | None,
-           tick: int = 0) -> dict:
-    return _analyzer(url).analyze(Window(since, until, model or None, version or None), SLO.parse(slo_spec))
+@st.cache_resource(show_spinner=False)
+def _answers() -> StaleWhileRevalidate:
+    """One per UI process: every session sees the same last answers (see refresh.py)."""
+    return StaleWhileRevalidate(ttl_s=60, max_slots=32)
 
 
-# a resource, not data: the frame (1M rows at scale) is shared read-only instead of being
-# pickled and copied on every cache hit (polars operations never modify it in place)
-@st.cache_resource(ttl=60, show_spinner="decomposing…", max_entries=8)
-def decomposition(url: str, since: int, until: int, model: str | None, version: str | None, tick: int = 0):
-    return _analyzer(url).decompose(Window(since, until, model or None, version or None))
+def _answer(kind: str, slot: str, args: tuple, fn, spinner: str):
+    with st.spinner(spinner, show_time=True):
+        a = _answers().get((kind, slot), args, fn)
+    if a.args != args or a.refreshing:
+        when = time.strftime("%H:%M:%S", time.localtime(a.computed_at))
+        st.caption(f"⟳ showing the analysis from {when} ({a.age_s:.0f} s ago) while a fresh one runs in the "
+                   "background; it appears on the next refresh")
+    if a.error:
+        st.caption(f"the last background refresh failed: {a.error}")
+    return a.value
 
 
-@st.cache_data(ttl=60, show_spinner="comparing…", max_entries=16)
-def compare(url: str, a: tuple, b: tuple) -> dict:
-    """Compare two windows given as (since, until, model, version) tuples (cached)."""
+def _report(url: str, since: int, until: int, model: str | None, version: str | None, slo_spec: str | None,
+            tick: int) -> dict:
+    return _analyzer(url).analyze(Window(since, until, model, version), SLO.parse(slo_spec))
+
+
+def _decompose(url: str, since: int, until: int, model: str | None, version: str | None, tick: int):
+    return _analyzer(url).decompose(Window(since, until, model, version))
+
+
+def report(w: UIWindow, slo_spec: str | None, tick: int = 0) -> dict:
+    """The analyzer's report for the window (shared, never recomputed in front of a viewer
+    once the slot has an answer). Treat it as read-only."""
+    url = store_url()
+    return _answer("report", f"{url}|{w.slot}|{slo_spec}", (url, w.since_ns, w.until_ns, w.model, w.version,
+                                                             slo_spec, tick), _report, "analysing…")
+
+
+def decomposition(w: UIWindow, tick: int = 0):
+    """Per-request decomposition frame (1M rows at scale: shared read-only, not copied;
+    polars operations never modify it in place)."""
+    url = store_url()
+    return _answer("decompose", f"{url}|{w.slot}", (url, w.since_ns, w.until_ns, w.model, w.version, tick),
+                   _decompose, "decomposing…")
+
+
+def _compare(url: str, a: tuple, b: tuple) -> dict:
     return _analyzer(url).compare(Window(*a), Window(*b))
 
 
-def sidebar_window(key: str = "win") -> Window:
+def compare(slot: str, a: Window, b: Window) -> dict:
+    """Compare two windows (shared answer per slot, refreshed in the background)."""
+    url = store_url()
+    return _answer("compare", f"{url}|{slot}", (url, (a.since_ns, a.until_ns, a.model, a.version),
+                                                (b.since_ns, b.until_ns, b.model, b.version)), _compare, "comparing…")
+
+
+@dataclass(frozen=True)
+class UIWindow(Window):
+    """A window plus its slot: what the viewer picked (\"last hour\", filters), which stays
+    the same while the exact bounds move with the clock."""
+
+    slot: str = ""
+
+
+def sidebar_window(key: str = "win") -> UIWindow:
     """The window picker. Returns a Window; stops the page with a message when empty."""
     url = store_url()
     a = analyzer()  # raises UIError when the store cannot be opened
@@ -101,7 +146,7 @@ def sidebar_window(key: str = "win") -> Window:
     SLO.parse(slo)  # ValueError -> message
     st.session_state["slo_spec"] = slo
     _ = a
-    return Window(w.since_ns, w.until_ns, model, version)
+    return UIWindow(w.since_ns, w.until_ns, model, version, slot=f"{choice}|{model}|{version}")
 
 
 def live_tick() -> int:

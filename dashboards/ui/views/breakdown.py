@@ -12,13 +12,12 @@ from ttftscope.dashboards.ui.common import (
     guard,
     report,
     sidebar_window,
-    store_url,
 )
 
 st.title("Where TTFT goes")
 with guard():
     w = sidebar_window("bd")
-    df = decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version)
+    df = decomposition(w)
     ch = choices(df)
     c = st.columns(4)
     bucket = c[0].selectbox("Prompt length", ["all", *ch["prompt_bucket"]])
@@ -63,7 +62,7 @@ with guard():
     st.dataframe(pl.DataFrame([{"phase": p, **v} for p, v in stats["phases"].items()]), hide_index=True,
                  width="stretch")
     st.subheader("Critical path per percentile band (walk-back from the first token)")
-    rep = report(store_url(), w.since_ns, w.until_ns, w.model, w.version, st.session_state.get("slo_spec"))
+    rep = report(w, st.session_state.get("slo_spec"))
     cp = rep.get("critical_path") or []
     if cp:
         rows = [{"band": b["band"], "phase": p, "ms": v} for b in cp for p, v in b["path_ms"].items()]

@@ -14,13 +14,12 @@ from ttftscope.dashboards.ui.common import (
     decomposition,
     guard,
     sidebar_window,
-    store_url,
 )
 
 st.title("Compare")
 with guard():
     w = sidebar_window("cp")
-    df = decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version)
+    df = decomposition(w)
     mode = st.radio("Compare", ["two versions", "two time windows"], horizontal=True)
     if mode == "two versions":
         vs = choices(df)["version"]
@@ -45,7 +44,10 @@ with guard():
         b = Window(*pick(c[1], "B", mid, w.until_ns), w.model, w.version)
         la, lb = "A", "B"
     analyzer()  # a clear message if the store cannot be opened
-    res = compare(store_url(), (a.since_ns, a.until_ns, a.model, a.version), (b.since_ns, b.until_ns, b.model, b.version))
+    # the slot is what the viewer picked (relative to the window), so a moved slider computes
+    # now while the window's own drift with the clock refreshes in the background
+    picked = (a.since_ns - w.since_ns, a.until_ns - w.since_ns, b.since_ns - w.since_ns, b.until_ns - w.since_ns)
+    res = compare(f"{w.slot}|{mode}|{la}|{lb}|{picked if mode != 'two versions' else ''}", a, b)
     if "error" in res:
         st.info(f"Nothing to compare: {res['error']} (A: {res['a']['requests']}, B: {res['b']['requests']} requests).")
         st.stop()

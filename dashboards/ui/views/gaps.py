@@ -2,12 +2,12 @@
 
 import polars as pl
 import streamlit as st
-from ttftscope.dashboards.ui.common import SEVERITY_ICON, guard, report, sidebar_window, store_url
+from ttftscope.dashboards.ui.common import SEVERITY_ICON, guard, report, sidebar_window
 
 st.title("Gaps & bottlenecks")
 with guard():
     w = sidebar_window("gp")
-    r = report(store_url(), w.since_ns, w.until_ns, w.model, w.version, st.session_state.get("slo_spec"))
+    r = report(w, st.session_state.get("slo_spec"))
     if not r.get("requests"):
         st.info("No requests in this window.")
         st.stop()

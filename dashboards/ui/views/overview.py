@@ -11,7 +11,6 @@ from ttftscope.dashboards.ui.common import (
     live_tick,
     report,
     sidebar_window,
-    store_url,
 )
 
 st.title("TTFT overview")
@@ -25,13 +24,14 @@ def body() -> None:
     with guard():
         w = WINDOW
         if live:  # a sliding window keeps moving with the load test
+            import dataclasses
             import time
 
             span = w.until_ns - w.since_ns
             now = time.time_ns() + 10**9
             if w.until_ns >= now - 5 * 10**9:
-                w = type(w)(now - span, now, w.model, w.version)
-        r = report(store_url(), w.since_ns, w.until_ns, w.model, w.version, st.session_state.get("slo_spec"), live_tick())
+                w = dataclasses.replace(w, since_ns=now - span, until_ns=now)
+        r = report(w, st.session_state.get("slo_spec"), live_tick())
         if not r.get("requests"):
             st.info("No requests with a measurable TTFT in this window. Pick a wider window in the sidebar.")
             return
@@ -44,7 +44,7 @@ def body() -> None:
                             delta=None if tgt is None else f"{r['ttft_ms'][q] - tgt:+,.0f} ms vs target",
                             delta_color="inverse")
         c[4].metric("SLO attainment (p99 target)", f"{slo.get('p99', {}).get('attainment', 0):.1%}")
-        ts = timeseries(decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version, live_tick()))
+        ts = timeseries(decomposition(w, live_tick()))
         fig = go.Figure()
         for q, color in (("p50", "#1f77b4"), ("p95", "#ff7f0e"), ("p99", "#d62728")):
             fig.add_scatter(x=ts["time"].to_list(), y=ts[q].to_list(), name=f"TTFT {q}", line={"color": color})

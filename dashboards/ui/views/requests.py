@@ -12,13 +12,12 @@ from ttftscope.dashboards.ui.common import (
     decomposition,
     guard,
     sidebar_window,
-    store_url,
 )
 
 st.title("Requests")
 with guard():
     w = sidebar_window("rq")
-    df = decomposition(store_url(), w.since_ns, w.until_ns, w.model, w.version)
+    df = decomposition(w)
     top = slowest(df, 50)
     st.subheader("Slowest requests")
     if top.height == 0:
