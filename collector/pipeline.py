@@ -82,7 +82,8 @@ class Pipeline:
             if not self.store_healthy:
                 raise Backpressure(503, 5, f"store unavailable ({self.last_error}); spool full, retry later")
             raise Backpressure(429, 1, "collector queue full; retry later")
-        self.spool.append(to_ipc(table), table.num_rows)
+        if self.spool.append(to_ipc(table), table.num_rows):
+            self._wake.set()  # a new segment: the flusher's next deadline is its age limit
         self.metrics.spans_accepted.inc(table.num_rows)
         self._update_gauges()
 
@@ -136,7 +137,13 @@ class Pipeline:
                 if time.monotonic() - last_maintain >= self.maintain_every_s:
                     last_maintain = time.monotonic()
                     self._maintain()
-                self._wake.wait(min(0.1, self.spool.segment_age_s / 2))
+                # sleep until the open segment is due or maintenance is, not on a fixed tick:
+                # an idle collector stays asleep (it shares cores with vLLM in small setups)
+                due = self.spool.due_in_s()
+                wait = self.maintain_every_s - (time.monotonic() - last_maintain)
+                if due is not None:
+                    wait = min(wait, due + 0.005)
+                self._wake.wait(max(wait, 0.005))
                 self._wake.clear()
             except Exception as e:  # noqa: BLE001 - any store failure: keep spooling, retry
                 self.store_healthy, self.last_error = False, f"{type(e).__name__}: {e}"[:300]

@@ -120,11 +120,13 @@ class Spool:
                 self._sealed[seq] = Segment(seq, p, rows, valid)
 
     # ------------------------------------------------------------------ writes
-    def append(self, payload: bytes, rows: int) -> None:
-        """Append one record; returns once it is durable (fsynced, unless disabled)."""
+    def append(self, payload: bytes, rows: int) -> bool:
+        """Append one record; returns once it is durable (fsynced, unless disabled).
+        True when this record opened a new segment (the flusher's next deadline changed)."""
         frame = _HEADER.pack(_MAGIC, len(payload), rows, zlib.crc32(payload)) + payload
         with self._lock:
-            if self._fd is None:
+            opened = self._fd is None
+            if opened:
                 self._open_seq = self._seq
                 self._seq += 1
                 path = self.dir / f"{self._open_seq:016d}.open"
@@ -141,6 +143,7 @@ class Spool:
                 self._seal_locked()
         if self.fsync:
             self._sync(me)
+        return opened
 
     def _sync(self, me: tuple[int, int]) -> None:
         with self._sync_lock:
@@ -169,6 +172,13 @@ class Spool:
         os.replace(src, dst)
         self._sealed[self._open_seq] = Segment(self._open_seq, dst, self._open_rows, self._open_bytes)
         self._synced = max(self._synced, (self._open_seq, self._open_bytes))
+
+    def due_in_s(self) -> float | None:
+        """Seconds until the open segment is due for sealing; None when none is open."""
+        with self._lock:
+            if self._fd is None:
+                return None
+            return max(self._open_since + self.segment_age_s - time.monotonic(), 0.0)
 
     def seal(self, *, only_if_due: bool = False) -> None:
         with self._lock:

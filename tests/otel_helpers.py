@@ -1,6 +1,10 @@
-"""Send spans with the stock OpenTelemetry Python SDK and keep the SDK's own record of them."""
+"""Send spans with the stock OpenTelemetry Python SDK and keep the SDK's own record of them;
+build raw OTLP requests for the tests that need exact bytes."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -51,3 +55,29 @@ def emit_rich_spans(endpoint: str, encoding: str, service: str, n: int = 20, **e
     tp.force_flush()
     tp.shutdown()
     return memory.get_finished_spans()
+
+
+def otlp_request(n_spans: int, *, name: str = "ok", service: str = "svc", start: int | None = None,
+                 end: int | None = None, n_attrs: int = 0,
+                 ids: Callable[[int], tuple[int, int]] = lambda i: (i + 1, i + 1)):
+    """A raw ``ExportTraceServiceRequest``: one resource, ``n_spans`` spans whose
+    (trace id, span id) are ``ids(i)``, integer attributes k0..k{n_attrs-1}."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    kv = rs.resource.attributes.add()
+    kv.key, kv.value.string_value = "service.name", service
+    ss = rs.scope_spans.add()
+    now = time.time_ns()
+    for i in range(n_spans):
+        sp = ss.spans.add()
+        tid, sid = ids(i)
+        sp.trace_id, sp.span_id = tid.to_bytes(16, "big"), sid.to_bytes(8, "big")
+        sp.name = name
+        sp.start_time_unix_nano = now if start is None else start
+        sp.end_time_unix_nano = (now + 1000) if end is None else end
+        for a in range(n_attrs):
+            kv = sp.attributes.add()
+            kv.key, kv.value.int_value = f"k{a}", a
+    return req

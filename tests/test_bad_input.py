@@ -11,30 +11,15 @@ import requests
 from conftest import ttftscope_sql
 from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from otel_helpers import otlp_request
 
 PB = {"Content-Type": "application/x-protobuf"}
 JS = {"Content-Type": "application/json"}
 
 
 def _request(n_spans: int = 3, name: str = "ok", start: int | None = None, end: int | None = None,
-             n_attrs: int = 2, service: str = "svc-bad") -> trace_service_pb2.ExportTraceServiceRequest:
-    req = trace_service_pb2.ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    kv = rs.resource.attributes.add()
-    kv.key, kv.value.string_value = "service.name", service
-    ss = rs.scope_spans.add()
-    now = time.time_ns()
-    for i in range(n_spans):
-        sp = ss.spans.add()
-        sp.trace_id = (i + 1).to_bytes(16, "big")
-        sp.span_id = (i + 1).to_bytes(8, "big")
-        sp.name = name
-        sp.start_time_unix_nano = now if start is None else start
-        sp.end_time_unix_nano = (now + 1000) if end is None else end
-        for a in range(n_attrs):
-            kv = sp.attributes.add()
-            kv.key, kv.value.int_value = f"k{a}", a
-    return req
+             n_attrs: int = 2, service: str = "svc-bad"):
+    return otlp_request(n_spans, name=name, start=start, end=end, n_attrs=n_attrs, service=service)
 
 
 def _pb_error(r: requests.Response) -> str:

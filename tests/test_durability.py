@@ -8,27 +8,15 @@ import time
 
 import requests
 from conftest import PY, ROOT, ClickHouseFixture, free_port, ttftscope_sql
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from otel_helpers import otlp_request
 
 PB = {"Content-Type": "application/x-protobuf"}
 
 
 def _batch(batch_no: int, n: int, service: str = "dur") -> bytes:
     """A request whose span ids encode (batch, index), so each span is identifiable."""
-    req = trace_service_pb2.ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    kv = rs.resource.attributes.add()
-    kv.key, kv.value.string_value = "service.name", service
-    ss = rs.scope_spans.add()
-    now = time.time_ns()
-    for i in range(n):
-        sp = ss.spans.add()
-        sp.trace_id = (batch_no + 1).to_bytes(16, "big")
-        sp.span_id = ((batch_no << 16) + i + 1).to_bytes(8, "big")
-        sp.name = "dur"
-        sp.start_time_unix_nano = now
-        sp.end_time_unix_nano = now + 1000
-    return req.SerializeToString()
+    return otlp_request(n, name="dur", service=service,
+                        ids=lambda i: (batch_no + 1, (batch_no << 16) + i + 1)).SerializeToString()
 
 
 def _ids(batch_no: int, n: int) -> set[str]:
