@@ -23,6 +23,7 @@ Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-di
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -72,6 +73,27 @@ def _cpu(col) -> float:
     return t.user + t.system
 
 
+def _self_timing(d: Path) -> dict[str, dict]:
+    """The plugin's own accounting per process (TTFTSCOPE_SELF_TIMING), by file name."""
+    return {f.name: json.loads(f.read_text()) for f in d.glob("*.json")} if d.is_dir() else {}
+
+
+def _self_cost(before: dict, after: dict, requests: int) -> dict[str, dict]:
+    """Per role over the measured load: hook time and export-thread CPU per request, and their
+    share of that role's whole CPU time."""
+    out: dict[str, dict] = {}
+    for name, b in after.items():
+        a = before.get(name, {"hooks_s": 0.0, "export_cpu_s": 0.0, "process_cpu_s": b["process_cpu_s"]})
+        r = out.setdefault(b["role"], {"hooks_s": 0.0, "export_cpu_s": 0.0, "process_cpu_s": 0.0})
+        for k in r:
+            r[k] += b[k] - a[k]
+    for r in out.values():
+        r["hooks_us_per_req"] = r["hooks_s"] / max(requests, 1) * 1e6
+        r["export_us_per_req"] = r["export_cpu_s"] / max(requests, 1) * 1e6
+        r["share_of_cpu"] = (r["hooks_s"] + r["export_cpu_s"]) / max(r["process_cpu_s"], 1e-9)
+    return out
+
+
 def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     col = None
@@ -85,7 +107,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
         wait_port(port)
         srv = VllmServer(tmp, f"http://127.0.0.1:{port}/v1/traces", run="overhead")
     elif mode == "plugin":
-        srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead")
+        srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead", env={"TTFTSCOPE_SELF_TIMING": str(tmp / "self")})
     elif mode == "vllm":
         srv = VllmServer(tmp, None, plugin=False, extra=["--otlp-traces-endpoint", col.url + "/v1/traces"],
                          env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
@@ -94,9 +116,11 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
     srv.start()
     try:
         run_profile(srv.url, srv.model, Profile(num_prompts=20, request_rate=profile.request_rate, seed=99))  # warm
-        cpu0 = _cpu(col)
+        cpu0, self0 = _cpu(col), _self_timing(tmp / "self")
         res = run_profile(srv.url, srv.model, profile)
         cpu = _cpu(col) - cpu0
+        time.sleep(1.5)  # one more self-timing write
+        own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if mode == "plugin" else {}
     finally:
         srv.stop()
         if col:
@@ -106,7 +130,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
             sink.terminate()
             sink.wait(10)
     return {"ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"], "throughput": res["request_throughput"],
-            "completed": res["completed"], "collector_cpu_s": cpu}
+            "completed": res["completed"], "collector_cpu_s": cpu, "own": own}
 
 
 def main() -> None:
@@ -137,6 +161,20 @@ def main() -> None:
     print(f"plugin vs none: TTFT p50 {p['ttft_p50'] / base['ttft_p50'] - 1:+.1%}, throughput "
           f"{p['throughput'] / base['throughput'] - 1:+.1%} (target within 3%); vs vLLM's own tracing: "
           f"TTFT p50 {p['ttft_p50'] / v['ttft_p50'] - 1:+.1%} (target within 1%)")
+    print("\nthe plugin's own cost, accounted inside each vLLM process (median over rounds; hook bodies run on\n"
+          "the serving threads, the export thread builds, encodes and posts the spans in the background):")
+    roles = sorted({r for x in results["plugin"] for r in x["own"]})
+    for role in roles:
+        vals = [x["own"][role] for x in results["plugin"] if role in x["own"]]
+        hk = statistics.median(v["hooks_us_per_req"] for v in vals)
+        ex = statistics.median(v["export_us_per_req"] for v in vals)
+        sh = statistics.median(v["share_of_cpu"] for v in vals)
+        print(f"  {role:<12} hooks {hk:7.1f} us/request   export thread {ex:7.1f} us/request   "
+              f"{sh:6.2%} of the process's CPU")
+    hooks = sum(statistics.median(x["own"][r]["hooks_us_per_req"] for x in results["plugin"] if r in x["own"])
+                for r in roles)
+    print(f"  all hooks together: {hooks:.0f} us per request = {hooks / 1e3 / p['ttft_p50']:.2%} of the plugin run's "
+          f"TTFT p50 even if every hook call sat on the first token's path")
     k = med["sink"]
     print(f"plugin into a discarding sink (no collector CPU on these cores) vs none: TTFT p50 "
           f"{k['ttft_p50'] / base['ttft_p50'] - 1:+.1%}, throughput {k['throughput'] / base['throughput'] - 1:+.1%}")

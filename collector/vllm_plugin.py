@@ -22,7 +22,9 @@ process's role, each wrapped so that a failure disables the hook and never reach
   or compiled graphs, and the hooks never add Python there).
 
 Environment: ``TTFTSCOPE_ENABLED=0`` turns it off; ``TTFTSCOPE_SAMPLE_RATIO`` (default 1.0)
-samples requests at the head; ``TTFTSCOPE_RUN`` labels the run (resource attribute).
+samples requests at the head; ``TTFTSCOPE_RUN`` labels the run (resource attribute);
+``TTFTSCOPE_SELF_TIMING=DIR`` makes every process account the time spent in its hooks and
+its export thread and write it to ``DIR/<role>-<pid>.json`` every second (bench/overhead).
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def detect_role() -> str:
     return ProcessRole.OTHER.value
 
 
+_SELF_TIMING = os.environ.get("TTFTSCOPE_SELF_TIMING")
+_SELF = {"hooks_s": 0.0, "hook_calls": 0}
+
+
 def _guard(name: str):
     """Decorator for hook bodies: any exception disables that hook, logged once."""
     def deco(fn):
@@ -91,8 +97,38 @@ def _guard(name: str):
                 state["broken"] = True
                 log.exception("ttftscope: hook %s failed and is now disabled", name)
                 return None
-        return wrapper
+
+        if not _SELF_TIMING:
+            return wrapper
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return wrapper(*a, **kw)
+            finally:
+                _SELF["hooks_s"] += time.perf_counter() - t
+                _SELF["hook_calls"] += 1
+        return timed
     return deco
+
+
+def _self_timing_writer(role: str) -> None:
+    """TTFTSCOPE_SELF_TIMING: the plugin's own cost in this process, written every second."""
+    import json
+    from pathlib import Path
+
+    out = Path(_SELF_TIMING) / f"{role}-{os.getpid()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        proc = _STATE.get("processor")
+        doc = {"role": role, "pid": os.getpid(), "wall": time.time(), "process_cpu_s": time.process_time(),
+               "hooks_s": _SELF["hooks_s"], "hook_calls": _SELF["hook_calls"],
+               "export_cpu_s": getattr(proc, "cpu_s", 0.0), "exported": getattr(proc, "exported", 0)}
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, out)
+        time.sleep(1.0)
 
 
 # ------------------------------------------------------------------------------ setup
@@ -169,6 +205,8 @@ def register() -> None:
             _install_engine_hooks()
         if role in (ProcessRole.WORKER.value, ProcessRole.OTHER.value):
             _install_worker_hooks()
+        if _SELF_TIMING:
+            threading.Thread(target=_self_timing_writer, args=(role,), name="ttftscope-self-timing", daemon=True).start()
         log.info("ttftscope plugin active (%s, pid %d)", role, os.getpid())
     except Exception:  # noqa: BLE001
         log.exception("ttftscope plugin could not start; vLLM continues without it")
