@@ -53,11 +53,16 @@ def analyzer() -> Analyzer:
         raise UIError(f"Cannot open the store {url}: {e}") from None
 
 
-@st.cache_data(ttl=60, show_spinner=False)
-def data_range(url: str, tick: int = 0) -> tuple[int, int] | None:
+def _data_range(url: str, tick: int) -> tuple[int, int] | None:
     from ttftscope.analyzer.requests import data_range as dr
 
     return dr(_analyzer(url).store)
+
+
+def data_range(url: str, tick: int = 0) -> tuple[int, int] | None:
+    """First and last request time in the store. Kept like the analyses (a store query here
+    would queue behind a background refresh's queries on the shared chDB engine)."""
+    return _answers().get(("range", url), (url, tick), _data_range).value
 
 
 @st.cache_resource(show_spinner=False)

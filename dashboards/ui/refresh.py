@@ -10,6 +10,7 @@ foreground. Failures in the background keep the last answer and are reported wit
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -68,6 +69,10 @@ class StaleWhileRevalidate:
             return a
 
     def _refresh(self, slot: Hashable, old: Answer, args: tuple, fn: Callable[..., Any]) -> None:
+        try:  # below the viewers' threads: a page render should not wait for the CPU behind a refresh
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # Linux: per-thread nice
+        except (AttributeError, OSError):
+            pass
         try:
             value = fn(*args)
         except Exception as e:  # noqa: BLE001 - shown next to the last answer, retried next view
