@@ -164,7 +164,7 @@ def _setup_otel(role: str) -> None:
         # (llm_request, start-up) flow through the same bounded pipeline
         trace.set_tracer_provider(provider)
     tracer = provider.get_tracer("ttftscope.vllm", "0.1.0")
-    deferred = DeferredSpans(tracer)  # hooks only append tuples; the export thread builds the spans
+    deferred = DeferredSpans(tracer, resource)  # hooks only append tuples; the export thread encodes them
     proc.add_source(deferred)
     _STATE.update(tracer=tracer, processor=proc, provider=provider, deferred=deferred)
     import atexit

@@ -1,0 +1,56 @@
+"""The plugin's export path without vLLM: deferred span tuples encoded straight to OTLP
+protobuf and SDK spans (vLLM's own) share one request into a real collector, with the
+trace/parent ids, attribute types and resource the plugin gave them."""
+
+from __future__ import annotations
+
+from conftest import ttftscope_sql
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from ttftscope.collector.otel_setup import BoundedBatchSpanProcessor, DeferredSpans
+
+
+def test_deferred_and_sdk_spans_arrive_intact(collector_factory):
+    col = collector_factory().start()
+    resource = Resource.create({"service.name": "plugin-export", "ttftscope.process.role": "engine_core"})
+    provider = TracerProvider(resource=resource)
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=5), interval_s=60)
+    provider.add_span_processor(proc)
+    tracer = provider.get_tracer("t")
+    deferred = DeferredSpans(tracer, resource, max_queue=5)
+    proc.add_source(deferred)
+
+    tid, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    deferred.add("ttftscope.prefill", 1_700_000_000.25, 1_700_000_000.5,
+                 {"gen_ai.request.id": "r1", "ttftscope.step": 7, "ratio": 0.5, "flag": True},
+                 {"traceparent": f"00-{tid}-{parent}-01"})
+    root = tracer.start_span("ttftscope.process", start_time=1_700_000_000 * 10**9)  # an SDK span, like vLLM's
+    deferred.add("ttftscope.load", 1_700_000_000.0, 1_700_000_000.1, {"ttftscope.load.stage": "imports"},
+                 trace.set_span_in_context(root))
+    root.end(end_time=1_700_000_001 * 10**9)
+    deferred.add("ttftscope.step", 1_700_000_002.0, 1_700_000_001.0, {"ttftscope.step": 8})  # end < start: clamped
+    for i in range(5):  # the queue holds 5: two of these are dropped and counted
+        deferred.add("ttftscope.queue", 1_700_000_003.0, 1_700_000_003.1, {"i": i})
+    assert deferred.dropped == 3, "3 were queued before: 2 of the 5 fit"
+    assert proc.force_flush() and proc.exported == 6 and proc.failed == 0
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+
+    rows = {r["SpanName"]: r for r in ttftscope_sql(col.store, """
+        SELECT SpanName, TraceId, ParentSpanId, SpanId, toUnixTimestamp64Nano(Timestamp) AS start, Duration,
+               SpanAttributes AS a, ResourceAttributes AS res, ScopeName
+        FROM otel_traces WHERE ServiceName = 'plugin-export' AND SpanName != 'ttftscope.queue'""")}
+    p = rows["ttftscope.prefill"]
+    assert (p["TraceId"], p["ParentSpanId"]) == (tid, parent), "the request's traceparent is continued"
+    # float seconds carry ~0.25 us at this magnitude
+    assert abs(int(p["start"]) - 1_700_000_000_250_000_000) < 1000 and abs(int(p["Duration"]) - 250_000_000) < 1000
+    assert p["a"] == {"gen_ai.request.id": "r1", "ttftscope.step": "7", "ratio": "0.5", "flag": "true"}
+    assert p["res"]["ttftscope.process.role"] == "engine_core" and p["ScopeName"] == "ttftscope.vllm"
+    load, proc_span = rows["ttftscope.load"], rows["ttftscope.process"]
+    assert load["TraceId"] == proc_span["TraceId"] and load["ParentSpanId"] == proc_span["SpanId"]
+    step = rows["ttftscope.step"]
+    assert step["ParentSpanId"] == "" and len(step["TraceId"]) == 32 and int(step["Duration"]) == 0
+    n = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.queue'")[0]["n"]
+    assert int(n) == 2
