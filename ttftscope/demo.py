@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .loadgen import Profile
-from .servers import Child, collector, vllm
+from .servers import Child, collector, settle, vllm
 
 PROFILES = [
     Profile("steady", num_prompts=60, request_rate=10, input_len=256, output_len=16),
@@ -89,6 +89,7 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
                 results.append((p, None, str(e)))
                 rc = 3
                 break
+        settle(col_url)
         srv.stop()
         if tp2 and rc == 0:
             _say(f"4/6 {total}/{total}", "restarting vLLM with tensor parallel 2 (measures a cold start; allreduce spans)")
@@ -103,8 +104,8 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
                 _say("    ", f"!! {e}")
                 results.append((p, None, str(e)))
                 rc = 3
+            settle(col_url)
             srv2.stop()
-        time.sleep(1.0)  # the plugin exports every 0.5 s
         col.stop(grace=60)  # SIGTERM: flush everything acknowledged into the store
         _say("5/6", "analysing (ClickHouse SQL on chDB + polars)")
         store = open_store(store_url, create=False)

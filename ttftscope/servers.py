@@ -23,6 +23,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spans_received(collector_url: str) -> float:
+    """The collector's count of spans received so far (its /metrics)."""
+    text = requests.get(collector_url + "/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("ttftscope_collector_spans_received_total"))
+
+
+def wait_spans_settled(collector_url: str, quiet_s: float = 2.0, timeout: float = 60) -> float:
+    """Until no span has reached the collector for ``quiet_s``: the plugin's exporters have
+    drained (they export every 0.5 s). Call it before stopping vLLM, which may kill its
+    engine core without letting it flush."""
+    deadline = time.monotonic() + timeout
+    last, since = spans_received(collector_url), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        n = spans_received(collector_url)
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return n
+    raise TimeoutError(f"spans still arriving at {collector_url} after {timeout:.0f}s")
+
+
+def settle(collector_url: str) -> None:
+    """wait_spans_settled for the demo, `run` and `sweep`: best effort, never fails them."""
+    try:
+        wait_spans_settled(collector_url, timeout=30)
+    except (TimeoutError, requests.RequestException):
+        pass
+
+
 class Child:
     def __init__(self, cmd: list[str], log: Path, env: dict | None = None, cwd: str | None = None) -> None:
         self.cmd, self.log, self.env, self.cwd = cmd, log, env, cwd

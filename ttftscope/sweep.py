@@ -140,7 +140,7 @@ def sweep_command(a) -> int:
     from ttftscope.analyzer import SLO, Analyzer, Window
     from ttftscope.runner import LoadError, drive, load_profile
     from ttftscope.schemas.store import StoreError, default_store_url, open_store
-    from ttftscope.servers import collector, vllm
+    from ttftscope.servers import collector, settle, vllm
     from ttftscope.tinymodel import build_tiny_model
 
     try:
@@ -171,8 +171,9 @@ def sweep_command(a) -> int:
                 results.append((s, run, None, str(e).splitlines()[0]))
             finally:
                 if srv:
+                    if srv.alive():
+                        settle(col_url)
                     srv.stop()
-        time.sleep(1.0)
         col.stop(grace=60)
         col = None
         store = open_store(url, create=False)
