@@ -60,23 +60,11 @@ class CollectorProc:
         wait_http(self.url + "/healthz", self.proc)
         return self
 
-    def spans_received(self) -> float:
-        text = requests.get(self.url + "/metrics", timeout=5).text
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("ttftscope_collector_spans_received_total"))
-
     def wait_quiet(self, quiet_s: float = 2.0, timeout: float = 60) -> float:
         """Until no span has arrived for ``quiet_s`` (exporters drained), not a fixed sleep."""
-        deadline = time.monotonic() + timeout
-        last, since = self.spans_received(), time.monotonic()
-        while time.monotonic() < deadline:
-            time.sleep(0.25)
-            n = self.spans_received()
-            if n != last:
-                last, since = n, time.monotonic()
-            elif time.monotonic() - since >= quiet_s:
-                return n
-        raise TimeoutError(f"spans still arriving after {timeout}s")
+        from ttftscope.servers import wait_spans_settled
+
+        return wait_spans_settled(self.url, quiet_s, timeout)
 
     def terminate(self, timeout: float = 60) -> int:
         assert self.proc is not None
