@@ -115,9 +115,13 @@ class DeferredSpans:
                     tid, pid = sc.trace_id.to_bytes(16, "big"), sc.span_id.to_bytes(8, "big")
             elif parent:
                 tp = parent.get("traceparent", "")
-                if len(tp) >= 55:
+                try:  # a client's malformed header must not cost the batch: a new trace then
                     tid, pid = bytes.fromhex(tp[3:35]), bytes.fromhex(tp[36:52])
-                    state = parent.get("tracestate", "") or ""
+                    state = str(parent.get("tracestate", "") or "")
+                    if len(tid) != 16 or len(pid) != 8:
+                        tid, pid, state = None, b"", ""
+                except (ValueError, TypeError):
+                    tid, pid, state = None, b"", ""
             if tid is None:
                 tid = random.getrandbits(128).to_bytes(16, "big")
             start = int(start_s * 1e9)

@@ -31,9 +31,11 @@ def test_deferred_and_sdk_spans_arrive_intact(collector_factory):
                  trace.set_span_in_context(root))
     root.end(end_time=1_700_000_001 * 10**9)
     deferred.add("ttftscope.step", 1_700_000_002.0, 1_700_000_001.0, {"ttftscope.step": 8})  # end < start: clamped
-    for i in range(5):  # the queue holds 5: two of these are dropped and counted
+    deferred.add("ttftscope.tokenize", 1_700_000_002.0, 1_700_000_002.1, {"x": 1},
+                 {"traceparent": "00-" + "z" * 32 + "-" + "y" * 16 + "-01"})  # a client's malformed header
+    for i in range(5):  # the queue holds 5: one of these fits, four are dropped and counted
         deferred.add("ttftscope.queue", 1_700_000_003.0, 1_700_000_003.1, {"i": i})
-    assert deferred.dropped == 3, "3 were queued before: 2 of the 5 fit"
+    assert deferred.dropped == 4
     assert proc.force_flush() and proc.exported == 6 and proc.failed == 0
     col.wait_quiet(quiet_s=1.0)
     assert col.terminate() == 0
@@ -52,5 +54,7 @@ def test_deferred_and_sdk_spans_arrive_intact(collector_factory):
     assert load["TraceId"] == proc_span["TraceId"] and load["ParentSpanId"] == proc_span["SpanId"]
     step = rows["ttftscope.step"]
     assert step["ParentSpanId"] == "" and len(step["TraceId"]) == 32 and int(step["Duration"]) == 0
+    tok = rows["ttftscope.tokenize"]
+    assert tok["ParentSpanId"] == "" and len(tok["TraceId"]) == 32, "a malformed traceparent starts a new trace"
     n = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.queue'")[0]["n"]
-    assert int(n) == 2
+    assert int(n) == 1
