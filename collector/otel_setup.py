@@ -180,7 +180,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._wake.set()
 
     def add_source(self, src: DeferredSpans) -> None:
-        """Deferred spans to materialize on the export thread before each export."""
+        """Deferred spans the export thread encodes (or materializes) with each export."""
         src.wake = self._wake.set
         self.sources.append(src)
 
