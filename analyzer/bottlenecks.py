@@ -176,13 +176,28 @@ def cold_requests(df: pl.DataFrame, cold: list[dict], first_n: int = 5, min_rati
                                  request_ids=firsts["request_id"].to_list(), trace_ids=firsts["trace_id"].to_list())) else []
 
 
-def prefix_cache_misses(store, window: Window, min_share: float = 0.2) -> list[dict]:
-    """Requests sharing a prompt prefix with others that got no prefix-cache hit."""
+def prefix_cache_misses(store, window: Window, total_ttft_ms: float | None = None, min_share: float = 0.2) -> list[dict]:
+    """Requests sharing a prompt prefix with others that got no prefix-cache hit.
+
+    Only repeats whose prefill started after the prefix's first prefill had finished could
+    have hit (in a burst, the rest ran alongside it). Severity weighs the miss rate by what
+    it costs: the missed repeats' first-chunk prefill time as a share of all TTFT in the
+    window (``total_ttft_ms``), an upper bound on what caching would save."""
     g = store.query(f"""
-        SELECT SpanAttributes['{Attr.PREFIX_HASH}'] AS h, count() AS n,
-               countIf(toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) = 0) AS missed,
+        WITH SpanAttributes['{Attr.PREFIX_HASH}'] AS h,
+             toUnixTimestamp64Nano(Timestamp) AS t0
+        SELECT h, count() AS n,
+               countIf(t0 >= first_end) AS eligible,
+               countIf(t0 >= first_end AND toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) = 0) AS missed,
+               sumIf(Duration, t0 >= first_end AND toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) = 0) / 1e6
+                   AS missed_ms,
                groupArray(5)(SpanAttributes['{Attr.REQUEST_ID}']) AS rids, groupArray(5)(TraceId) AS tids
         FROM otel_traces
+        INNER JOIN (
+            SELECT SpanAttributes['{Attr.PREFIX_HASH}'] AS fh, min(toUnixTimestamp64Nano(Timestamp) + Duration) AS first_end
+            FROM otel_traces
+            WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}
+            GROUP BY fh) AS f ON f.fh = SpanAttributes['{Attr.PREFIX_HASH}']
         WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}
         GROUP BY h""", window.params())
     if g.height == 0:
@@ -190,15 +205,20 @@ def prefix_cache_misses(store, window: Window, min_share: float = 0.2) -> list[d
     total = int(g["n"].sum())
     grp = g.filter((pl.col("h") != "") & (pl.col("n") >= 2))
     shared = int(grp["n"].sum()) if grp.height else 0
-    if total < 20 or shared < min_share * total:
+    eligible = int(grp["eligible"].sum()) if grp.height else 0
+    if total < 20 or shared < min_share * total or eligible == 0:
         return []
-    missed = int(grp["missed"].sum()) - grp.height  # the first request of each prefix cannot hit
-    miss_share = max(missed, 0) / max(shared - grp.height, 1)
-    sev = "high" if miss_share >= 0.8 else "medium" if miss_share >= 0.5 else None
+    miss_share = int(grp["missed"].sum()) / eligible
+    missed_ms = float(grp["missed_ms"].sum())
+    impact = missed_ms / total_ttft_ms if total_ttft_ms else miss_share
+    sev = ("high" if miss_share >= 0.8 and impact >= 0.1 else "medium" if miss_share >= 0.5 and impact >= 0.03
+           else None)
     top = grp.sort("n", descending=True).head(3)
-    return [f] if (f := _finding("prefix_cache_misses", sev, miss_share, "share", miss_share * 0.6,
+    return [f] if (f := _finding("prefix_cache_misses", sev, miss_share, "share", impact,
                                  f"{shared / total:.0%} of requests share a prompt prefix, yet {miss_share:.0%} of the repeats "
-                                 "got no prefix-cache hit", shared_requests=shared, prefixes=grp.height,
+                                 f"that could have hit got no prefix-cache hit (their prefill: up to {impact:.0%} of TTFT)",
+                                 shared_requests=shared, eligible_repeats=eligible, prefixes=grp.height,
+                                 missed_prefill_ms=missed_ms,
                                  request_ids=[r for x in top["rids"].to_list() for r in x][:10],
                                  trace_ids=[t for x in top["tids"].to_list() for t in x][:10])) else []
 

@@ -70,7 +70,7 @@ def analyze(store, window: Window, slo: SLO | None = None,
         bn.phase_dominance(df, slo) + bn.chunk_waits(df) + bn.host_gaps(df) + bn.tokenizer_long_prompts(df)
         + bn.allreduce_concurrency(store, window) + bn.cold_start_findings(cold, slo)
         + bn.engine_bubble_findings(bubbles) + bn.load_correlation(df, slo) + bn.version_regression(df)
-        + bn.cold_requests(df, cold) + bn.prefix_cache_misses(store, window))
+        + bn.cold_requests(df, cold) + bn.prefix_cache_misses(store, window, float(df["ttft"].sum()) / 1e6 if df.height else None))
     report["findings"] = findings
     prog(5, total, "SLO attainment, change points, advice")
     report["slo"] = attainment(df, slo)
