@@ -528,6 +528,8 @@ class _WorkerState:
         self.step = None
         self.rank = None
         self.cuda_pending: list = []
+        self.calls = 0  # execute_model calls, for the sampled profiler windows
+        self.profile_every = _profile_every()
 
 
 def _install_worker_hooks() -> None:
@@ -573,6 +575,8 @@ def _install_worker_hooks() -> None:
             def execute_model(self, scheduler_output, *a, **kw):
                 _on_exec_start(ws, scheduler_output, self)
                 try:
+                    if _profile_now(ws):
+                        return _profiled(ws, orig, self, scheduler_output, *a, **kw)
                     return orig(self, scheduler_output, *a, **kw)
                 finally:
                     _on_exec_end(ws)
@@ -624,6 +628,83 @@ def _install_cuda_allreduce_eager(ws: _WorkerState) -> None:
         return out
 
     cu.CudaCommunicator.all_reduce = all_reduce
+
+
+def _profile_every() -> int:
+    try:
+        return max(int(os.environ.get("TTFTSCOPE_PROFILE_EVERY", "0")), 0)
+    except ValueError:
+        return 0
+
+
+@_guard("profile_now")
+def _profile_now(ws: _WorkerState) -> bool:
+    """Every TTFTSCOPE_PROFILE_EVERY-th step runs under torch.profiler (off by default)."""
+    if not ws.profile_every:
+        return False
+    ws.calls += 1
+    return ws.calls % ws.profile_every == 0
+
+
+def _profiled(ws: _WorkerState, orig, *args, **kw):
+    """One step under torch.profiler: the collectives it records become sampled
+    ``allreduce.call`` spans. This is how collectives inside CUDA graphs or compiled code
+    (where no Python hook runs) are seen; the profile is parsed on a background thread.
+    Any profiler failure turns sampling off and the step runs as usual."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        prof = profile(activities=acts)
+        prof.__enter__()
+    except Exception:  # noqa: BLE001
+        ws.profile_every = 0
+        log.exception("ttftscope: torch.profiler unavailable; sampled collective windows are off")
+        return orig(*args, **kw)
+    wall0 = time.time()
+    try:
+        return orig(*args, **kw)
+    finally:
+        try:
+            prof.__exit__(None, None, None)
+            threading.Thread(target=_emit_profiled_collectives, name="ttftscope-profile",
+                             args=(prof, wall0, ws.step, ws.rank, getattr(ws, "tp", 1)), daemon=True).start()
+        except Exception:  # noqa: BLE001
+            ws.profile_every = 0
+            log.exception("ttftscope: profiler window failed; sampled collective windows are off")
+
+
+def _is_collective(name: str) -> bool:
+    n = name.lower()
+    return "allreduce" in n or "all_reduce" in n
+
+
+@_guard("profiled_collectives")
+def _emit_profiled_collectives(prof, wall0: float, step, rank, tp) -> None:
+    evts = prof.events()
+    if not evts:
+        return
+    t_first = min(e.time_range.start for e in evts)  # the step's first recorded op ~ wall0
+    found = [e for e in evts if _is_collective(e.name)]
+    device = [e for e in found if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    if device:  # kernels on the GPU: their time is the collective's
+        calls = device
+    else:  # CPU ops: the outermost collective op of each nest
+        def nested(e) -> bool:
+            p = e.cpu_parent
+            while p is not None:
+                if _is_collective(p.name):
+                    return True
+                p = p.cpu_parent
+            return False
+        calls = [e for e in found if not nested(e)]
+    engine = f"engine-{os.getppid()}"
+    for e in calls:
+        start = wall0 + (e.time_range.start - t_first) / 1e6
+        _span(SpanName.ALLREDUCE_CALL, start, start + (e.time_range.end - e.time_range.start) / 1e6, {
+            Attr.STEP: step if step is not None else -1, Attr.RANK: rank, Attr.TP_SIZE: tp, Attr.SAMPLED: True,
+            Attr.PHASE: "allreduce", "ttftscope.collective": e.name, "ttftscope.engine": engine})
 
 
 @_guard("allreduce")

@@ -121,7 +121,9 @@ def test_client_traceparent_is_continued(tmp_path):
 
 def test_tensor_parallel_2_allreduce_from_both_ranks_linked_to_steps(tmp_path):
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
-    srv = VllmServer(tmp_path, col.url + "/v1/traces", tp=2, run="tp2").start()
+    # every 4th step also runs under torch.profiler: the sampled-window path for collectives
+    # inside CUDA graphs, exercised here on the CPU's shm allreduce
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", tp=2, run="tp2", env={"TTFTSCOPE_PROFILE_EVERY": "4"}).start()
     try:
         for i in range(3):
             srv.completion(prompt_of(200, i))
@@ -148,6 +150,15 @@ def test_tensor_parallel_2_allreduce_from_both_ranks_linked_to_steps(tmp_path):
     assert len(linked) >= 0.9 * len(ar), "allreduce spans name the engine step they ran in"
     df = decompose(open_store(col.store, create=False), Window.last(3600, run="tp2"))
     assert (df["allreduce"] > 0).all(), "TTFT decomposition carves allreduce out of prefill"
+    calls = ttftscope_sql(col.store, """
+        SELECT SpanAttributes['ttftscope.rank'] AS rank, SpanAttributes['ttftscope.step'] AS step, count() AS n,
+               min(Duration) AS shortest
+        FROM otel_traces WHERE SpanName = 'ttftscope.allreduce.call' AND SpanAttributes['ttftscope.sampled'] = 'true'
+        GROUP BY rank, step""")
+    assert {c["rank"] for c in calls} == {"0", "1"}, "sampled profiler windows on both ranks"
+    hooked = {(r["rank"], r["step"]): int(r["cnt"]) for r in ar}
+    assert all(int(c["n"]) == hooked[(c["rank"], c["step"])] and int(c["shortest"]) > 0 for c in calls), \
+        "the profiler sees exactly the collectives the hook counted in that step, each with a duration"
 
 
 def test_stock_vllm_tracing_without_the_plugin(tmp_path):
