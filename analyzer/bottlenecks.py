@@ -104,7 +104,7 @@ def tokenizer_long_prompts(df: pl.DataFrame, boundary: int = 32_768, min_long: i
 def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[dict]:
     """Allreduce time per step vs concurrency: relative growth per +10 concurrent requests."""
     s = store.query(f"""
-        SELECT SpanAttributes['ttftscope.engine'] AS engine, SpanAttributes['{Attr.STEP}'] AS step,
+        SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, SpanAttributes['{Attr.STEP}'] AS step,
                max(toInt64(Duration)) AS ar, max(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}'])) AS running,
                any(TraceId) AS trace_id
         FROM otel_traces WHERE SpanName = '{SpanName.ALLREDUCE}' AND {Window.time_filter()}
@@ -124,7 +124,7 @@ def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[di
     reqs = store.query(
         f"SELECT DISTINCT SpanAttributes['{Attr.REQUEST_ID}'] AS request_id FROM otel_traces "
         f"WHERE SpanName = '{SpanName.PREFILL}' AND {Window.time_filter()} "
-        f"AND (SpanAttributes['ttftscope.engine'], SpanAttributes['{Attr.STEP}']) IN {{k:Array(Tuple(String, String))}} LIMIT 10",
+        f"AND (SpanAttributes['{Attr.ENGINE}'], SpanAttributes['{Attr.STEP}']) IN {{k:Array(Tuple(String, String))}} LIMIT 10",
         {**window.params(), "k": list(zip(worst["engine"].to_list(), worst["step"].to_list(), strict=True))})
     return [_finding("allreduce_concurrency", sev, per10, "relative per +10 requests", min(per10 * 3, 1.0),
                      f"allreduce time grows {per10:.0%} per +10 concurrent requests (r={r:.2f})",

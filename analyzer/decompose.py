@@ -62,7 +62,7 @@ WITH
     GROUP BY TraceId
   ),
   ar AS (
-    SELECT {a('ttftscope.engine')} AS engine, {a(Attr.STEP)} AS step, max(toInt64(Duration)) AS ar_ns
+    SELECT {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, max(toInt64(Duration)) AS ar_ns
     FROM otel_traces
     WHERE SpanName = {_q(SpanName.ALLREDUCE)} AND {Window.time_filter(60, 600)}
     GROUP BY engine, step
@@ -75,7 +75,7 @@ WITH
            anyIf(s.priority, s.priority != '') AS span_priority
     FROM (
       SELECT TraceId, {prio} AS prio, toUnixTimestamp64Nano(Timestamp) AS st, st + toInt64(Duration) AS en,
-             {a('ttftscope.engine')} AS engine, {a(Attr.STEP)} AS step, {a(Attr.PRIORITY)} AS priority
+             {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, {a(Attr.PRIORITY)} AS priority
       FROM otel_traces
       WHERE SpanName IN ({phase_names}) AND {Window.time_filter(60, 600)}
         AND TraceId IN (SELECT TraceId FROM reqs)

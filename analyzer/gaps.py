@@ -37,7 +37,7 @@ def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 1
     """Idle intervals on each engine timeline while requests waited."""
     df = store.query(f"""
         SELECT engine, st, en, waiting, prev_en, st - prev_en AS idle FROM (
-          SELECT SpanAttributes['ttftscope.engine'] AS engine, toUnixTimestamp64Nano(Timestamp) AS st,
+          SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, toUnixTimestamp64Nano(Timestamp) AS st,
                  st + toInt64(Duration) AS en, toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) AS waiting,
                  lagInFrame(en, 1, toInt64(0)) OVER (PARTITION BY engine ORDER BY st
                      ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_en

@@ -310,7 +310,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  Attr.REQUEST_ID: req_id[cid][mc], Attr.STEP: steps[mc], Attr.CHUNK: k[mc],
                                  Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: chunk_cached[mc],
                                  Attr.PREFIX_HASH: chunk_hash[mc],
-                                 Attr.BATCH_SIZE: running[mc] + 1, "ttftscope.engine": np.full(nc, engine)},
+                                 Attr.BATCH_SIZE: running[mc] + 1, Attr.ENGINE: np.full(nc, engine)},
                              chunk_dur[mc]))
         tables.append(_table(nm, prefill_end[m], trace[m], sids(n, 5)[m], root[m], SpanName.OUTPUT, "Internal", "vllm", api,
                              {Attr.REQUEST_ID: req_id[m]}, out[m]))
@@ -318,7 +318,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
         step_trace = np.char.add(_hex(np.full(nc, 0xE, dtype=np.uint64), 16), _hex(steps[mc].astype(np.uint64), 16))
         tables.append(_table(nc, cstart[mc], step_trace, sids(cid.size, 6)[mc], "", SpanName.STEP, "Internal", "vllm", eng, {
             Attr.STEP: steps[mc], Attr.STEP_PREFILL_TOKENS: ctoks[mc], Attr.STEP_DECODE_TOKENS: running[mc],
-            Attr.RUNNING: running[mc] + 1, Attr.WAITING: np.maximum(waiting_at[mc], 0), "ttftscope.engine": np.full(nc, engine)},
+            Attr.RUNNING: running[mc] + 1, Attr.WAITING: np.maximum(waiting_at[mc], 0), Attr.ENGINE: np.full(nc, engine)},
             chunk_dur[mc]))
         # long waits between a prompt's chunks are decode steps of other requests (that is
         # what starves the prefill): the engine is busy, not idle
@@ -330,7 +330,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  "vllm", eng, {
                                      Attr.STEP: steps[dm] + 1_000_000_000, Attr.STEP_PREFILL_TOKENS: np.zeros(nd, dtype=np.int64),
                                      Attr.STEP_DECODE_TOKENS: running[dm], Attr.RUNNING: running[dm] + 1,
-                                     Attr.WAITING: np.maximum(waiting_at[dm], 0), "ttftscope.engine": np.full(nd, engine)},
+                                     Attr.WAITING: np.maximum(waiting_at[dm], 0), Attr.ENGINE: np.full(nd, engine)},
                                  wait[dm]))
         for r in range(p.tp):
             wk = _resource(ProcessRole.WORKER.value, f"worker-{r}", ver, p.model, run, rank=r)
@@ -339,7 +339,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  SpanName.ALLREDUCE, "Internal", "vllm", wk, {
                                      Attr.STEP: steps[mc], Attr.RANK: np.full(nc, r), Attr.TP_SIZE: np.full(nc, p.tp),
                                      Attr.ALLREDUCE_COUNT: np.full(nc, 4), Attr.ALLREDUCE_BYTES: ctoks[mc] * 2 * 256 * 4,
-                                     Attr.RUNNING: running[mc] + 1, "ttftscope.engine": np.full(nc, engine)},
+                                     Attr.RUNNING: running[mc] + 1, Attr.ENGINE: np.full(nc, engine)},
                                  ar[mc]))
 
     # cold start: each process from start to ready, with its loading phases and an idle gap

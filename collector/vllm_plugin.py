@@ -477,7 +477,7 @@ def _on_step_done(st: _EngineState, sched, out, t_end: float) -> None:
     prefill_tokens = sum(c[1] for c in chunks)
     for req_id, n, cached, idx, th, ext, phash in chunks:
         attrs = {Attr.REQUEST_ID: ext, Attr.PHASE: "prefill", Attr.STEP: step, Attr.CHUNK: idx,
-                 Attr.TOKENS_COMPUTED: n, Attr.TOKENS_CACHED: cached, Attr.BATCH_SIZE: batch, "ttftscope.engine": st.engine}
+                 Attr.TOKENS_COMPUTED: n, Attr.TOKENS_CACHED: cached, Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine}
         if phash:
             attrs[Attr.PREFIX_HASH] = phash
         _span(SpanName.PREFILL, t1, t_end, attrs, th)
@@ -503,7 +503,7 @@ def _on_step_done(st: _EngineState, sched, out, t_end: float) -> None:
     _flush_decode_run(st)
     _span(SpanName.STEP, t0, t_end, {
         Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: decode,
-        Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, "ttftscope.engine": st.engine})
+        Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine})
 
 
 def _flush_decode_run(st: _EngineState, idle_s: float | None = None) -> None:
@@ -514,7 +514,7 @@ def _flush_decode_run(st: _EngineState, idle_s: float | None = None) -> None:
         st.decode_run = None
     _span(SpanName.STEP, r[0], r[1], {
         Attr.STEP: r[5], Attr.STEP_LAST: r[6], Attr.STEP_COUNT: r[2], Attr.STEP_PREFILL_TOKENS: 0, Attr.STEP_DECODE_TOKENS: r[3],
-        Attr.RUNNING: r[4], Attr.WAITING: 0, "ttftscope.engine": st.engine})
+        Attr.RUNNING: r[4], Attr.WAITING: 0, Attr.ENGINE: st.engine})
 
 
 # --------------------------------------------------------------------------- workers
@@ -527,6 +527,8 @@ class _WorkerState:
         self.first = None
         self.step = None
         self.rank = None
+        self.tp = 1
+        self.engine = f"engine-{os.getppid()}"  # the engine core that spawned this worker
         self.cuda_pending: list = []
         self.calls = 0  # execute_model calls, for the sampled profiler windows
         self.profile_every = _profile_every()
@@ -669,7 +671,7 @@ def _profiled(ws: _WorkerState, orig, *args, **kw):
         try:
             prof.__exit__(None, None, None)
             threading.Thread(target=_emit_profiled_collectives, name="ttftscope-profile",
-                             args=(prof, wall0, ws.step, ws.rank, getattr(ws, "tp", 1)), daemon=True).start()
+                             args=(prof, wall0, ws.step, ws.rank, ws.tp, ws.engine), daemon=True).start()
         except Exception:  # noqa: BLE001
             ws.profile_every = 0
             log.exception("ttftscope: profiler window failed; sampled collective windows are off")
@@ -681,7 +683,7 @@ def _is_collective(name: str) -> bool:
 
 
 @_guard("profiled_collectives")
-def _emit_profiled_collectives(prof, wall0: float, step, rank, tp) -> None:
+def _emit_profiled_collectives(prof, wall0: float, step, rank, tp, engine: str) -> None:
     evts = prof.events()
     if not evts:
         return
@@ -699,12 +701,11 @@ def _emit_profiled_collectives(prof, wall0: float, step, rank, tp) -> None:
                 p = p.cpu_parent
             return False
         calls = [e for e in found if not nested(e)]
-    engine = f"engine-{os.getppid()}"
     for e in calls:
         start = wall0 + (e.time_range.start - t_first) / 1e6
         _span(SpanName.ALLREDUCE_CALL, start, start + (e.time_range.end - e.time_range.start) / 1e6, {
             Attr.STEP: step if step is not None else -1, Attr.RANK: rank, Attr.TP_SIZE: tp, Attr.SAMPLED: True,
-            Attr.PHASE: "allreduce", "ttftscope.collective": e.name, "ttftscope.engine": engine})
+            Attr.PHASE: "allreduce", Attr.COLLECTIVE: e.name, Attr.ENGINE: engine})
 
 
 @_guard("allreduce")
@@ -736,20 +737,23 @@ def _on_exec_start(ws: _WorkerState, scheduler_output, worker=None) -> None:
 @_guard("exec_end")
 def _on_exec_end(ws: _WorkerState) -> None:
     # CUDA (eager only): read finished events without synchronising
-    done = [e for e in ws.cuda_pending if e[1].query()]
-    for e in done:
-        ws.count += 1
-        ws.bytes += e[3]
-        ws.time += e[0].elapsed_time(e[1]) / 1e3
-        ws.first = ws.first or e[2]
-    ws.cuda_pending = [e for e in ws.cuda_pending if e not in done][-1024:]
+    if ws.cuda_pending:
+        still = []
+        for e in ws.cuda_pending:
+            if not e[1].query():
+                still.append(e)
+                continue
+            ws.count += 1
+            ws.bytes += e[3]
+            ws.time += e[0].elapsed_time(e[1]) / 1e3
+            ws.first = ws.first or e[2]
+        ws.cuda_pending = still[-1024:]
     if ws.count == 0 or ws.first is None:
         return
-    engine = f"engine-{os.getppid()}"
     _span(SpanName.ALLREDUCE, ws.first, ws.first + ws.time, {
-        Attr.STEP: ws.step if ws.step is not None else -1, Attr.RANK: ws.rank, Attr.TP_SIZE: getattr(ws, "tp", 1),
+        Attr.STEP: ws.step if ws.step is not None else -1, Attr.RANK: ws.rank, Attr.TP_SIZE: ws.tp,
         Attr.ALLREDUCE_COUNT: ws.count, Attr.ALLREDUCE_BYTES: ws.bytes, Attr.PHASE: "allreduce",
-        "ttftscope.engine": engine})
+        Attr.ENGINE: ws.engine})
 
 
 _PROCESS_READY_EMITTED = {"done": False}

@@ -121,12 +121,14 @@ class Attr:
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"
     RUNNING = f"{PREFIX}.scheduler.running"
     WAITING = f"{PREFIX}.scheduler.waiting"
+    ENGINE = f"{PREFIX}.engine"  # which engine core a step, prefill or allreduce belongs to ("engine-<pid>")
     RANK = f"{PREFIX}.rank"
     TP_SIZE = f"{PREFIX}.tp_size"
     ALLREDUCE_COUNT = f"{PREFIX}.allreduce.count"
     ALLREDUCE_BYTES = f"{PREFIX}.allreduce.bytes"
     LOAD_STAGE = f"{PREFIX}.load.stage"
     SAMPLED = f"{PREFIX}.sampled"
+    COLLECTIVE = f"{PREFIX}.collective"  # the profiler's name for a sampled collective call
 
 
 class ResourceAttr:
