@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import CollectorProc, VllmServer, free_port  # noqa: E402
+from conftest import CollectorProc, VllmServer, free_port, wait_http  # noqa: E402
 
 from ttftscope.loadgen import Profile, run_profile  # noqa: E402
 
@@ -53,16 +52,6 @@ class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
-
-
-def wait_port(port: int) -> None:
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on {port}")
 
 
 def _cpu(col) -> float:
@@ -104,7 +93,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
     if mode == "sink":
         port = free_port()
         sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], preexec_fn=lambda: os.nice(19))
-        wait_port(port)
+        wait_http(f"http://127.0.0.1:{port}/", sink)  # any answer: it listens
         srv = VllmServer(tmp, f"http://127.0.0.1:{port}/v1/traces", run="overhead")
     elif mode == "plugin":
         srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead", env={"TTFTSCOPE_SELF_TIMING": str(tmp / "self")})

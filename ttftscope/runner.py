@@ -36,8 +36,6 @@ def load_profile(path: str | Path) -> Profile:
                          f"(known: {sorted(known | {'duration_s', 'priority_classes'})})")
     types = {f.name: f.type for f in fields(Profile)}
     for k, v in list(doc.items()):
-        if k == "priority_classes":
-            continue
         t = str(types[k])
         if k == "name":
             doc[k] = str(v)
