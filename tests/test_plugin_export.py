@@ -58,3 +58,23 @@ def test_deferred_and_sdk_spans_arrive_intact(collector_factory):
     assert tok["ParentSpanId"] == "" and len(tok["TraceId"]) == 32, "a malformed traceparent starts a new trace"
     n = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.queue'")[0]["n"]
     assert int(n) == 1
+
+
+def test_with_another_exporter_deferred_spans_become_sdk_spans():
+    """An exporter that is not the stock OTLP/HTTP one gets SDK spans built from the tuples."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "plugin-export"}))
+    proc = BoundedBatchSpanProcessor(memory, interval_s=60)
+    provider.add_span_processor(proc)
+    deferred = DeferredSpans(provider.get_tracer("t"))
+    proc.add_source(deferred)
+    tid, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    deferred.add("ttftscope.queue", 1_700_000_000.0, 1_700_000_000.5, {"gen_ai.request.id": "r9"},
+                 {"traceparent": f"00-{tid}-{parent}-01"})
+    assert proc.force_flush()
+    (span,) = memory.get_finished_spans()
+    assert span.name == "ttftscope.queue" and dict(span.attributes) == {"gen_ai.request.id": "r9"}
+    assert format(span.context.trace_id, "032x") == tid and format(span.parent.span_id, "016x") == parent
+    assert span.end_time - span.start_time == 500_000_000

@@ -61,11 +61,14 @@ class StaleWhileRevalidate:
                 a = self._slots.get(slot)
             if a is not None:
                 return a
-            value = fn(*args)  # errors reach the page (no answer to fall back on)
+            try:
+                value = fn(*args)  # errors reach the page (no answer to fall back on)
+            finally:
+                with self._lock:
+                    self._first.pop(slot, None)
             a = Answer(value, args, time.time())
             with self._lock:
                 self._store(slot, a)
-                self._first.pop(slot, None)
             return a
 
     def _refresh(self, slot: Hashable, old: Answer, args: tuple, fn: Callable[..., Any]) -> None:
