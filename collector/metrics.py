@@ -27,6 +27,15 @@ class CollectorMetrics:
         )
         self.queue_spans = Gauge(f"{NS}_queue_spans", "Spans acknowledged but not yet in the store", registry=r)
         self.spool_bytes = Gauge(f"{NS}_spool_bytes", "Bytes in the on-disk spool", registry=r)
+        self.requests_over_budget = Counter(
+            f"{NS}_requests_over_budget", "Requests refused (429) because the memory budget was in use", registry=r
+        )
+        self.connections_refused = Counter(
+            f"{NS}_connections_refused", "Connections refused (503) past the connection cap", registry=r
+        )
+        self.parts_quarantined = Gauge(
+            f"{NS}_store_parts_quarantined", "Store parts set aside because they could not be read", registry=r
+        )
         self.store_up = Gauge(f"{NS}_store_up", "1 when the last store write succeeded", registry=r)
         self.store_errors = Counter(f"{NS}_store_errors", "Failed store writes", registry=r)
         self.batch_write_seconds = Histogram(

@@ -34,6 +34,7 @@ class Limits:
     max_value_bytes: int = 64 * 1024  # longer attribute values are truncated
     max_events: int = 1024
     max_links: int = 1024
+    max_name_bytes: int = 4096  # longer span/event names are truncated
     #: spans starting before this (ns since epoch) are absurd: 2000-01-01
     min_start_ns: int = 946_684_800 * 10**9
     #: spans starting later than now + this are absurd (clock far ahead)
@@ -192,7 +193,19 @@ class SpanBatchBuilder:
         status_msg: str,
         events: list[tuple[int, str, dict[str, str]]],
         links: list[tuple[str, str, str, dict[str, str]]],
-    ) -> None:
+        path: str = "",
+    ) -> bool:
+        """Append one span; False (rejected, with the field path) when an event or link of it
+        cannot be stored."""
+        for n, (t, _, _) in enumerate(events):
+            if not 0 <= t < 1 << 63:
+                self.report.reject(f"{path}.events[{n}].timeUnixNano: out of range (must be below 2^63)")
+                return False
+        for n, (tr, sp, _, _) in enumerate(links):
+            if len(tr) != 32 or len(sp) != 16:
+                self.report.reject(f"{path}.links[{n}]: invalid trace id or span id (need 16 and 8 bytes)")
+                return False
+        name = self.clip_name(name)
         self.ts.append(start)
         self.trace_id.append(trace_id)
         self.span_id.append(span_id)
@@ -214,7 +227,7 @@ class SpanBatchBuilder:
             events = events[: lim.max_events]
         for t, n, a in events:
             self.ev_ts.append(t)
-            self.ev_name.append(n)
+            self.ev_name.append(self.clip_name(n))
             self.ev_attrs.add(self.clip_attrs(a))
         self.ev_off.append(len(self.ev_ts))
         if len(links) > lim.max_links:
@@ -227,6 +240,13 @@ class SpanBatchBuilder:
             self.ln_attrs.add(self.clip_attrs(a))
         self.ln_off.append(len(self.ln_trace))
         self.report.accepted += 1
+        return True
+
+    def clip_name(self, name: str) -> str:
+        if len(name) > self.limits.max_name_bytes:
+            self.report.warn(f"names truncated to {self.limits.max_name_bytes} characters")
+            return name[: self.limits.max_name_bytes]
+        return name
 
     def __len__(self) -> int:
         return len(self.ts)
@@ -328,13 +348,14 @@ def decode_protobuf(body: bytes, builder: SpanBatchBuilder) -> None:
     sa_k, sa_v, sa_off = sa.keys, sa.values, sa.offsets
     ev_off, ln_off = b.ev_off, b.ln_off
     accepted = 0
-    for rs in req.resource_spans:
+    max_name = lim.max_name_bytes
+    for i, rs in enumerate(req.resource_spans):
         resource = b.clip_attrs(_pb_attrs(rs.resource.attributes))
         r_keys, r_vals = list(resource.keys()), list(resource.values())
         service = resource.get("service.name", "")
-        for ss in rs.scope_spans:
+        for j, ss in enumerate(rs.scope_spans):
             scope_name, scope_version = ss.scope.name, ss.scope.version
-            for sp in ss.spans:
+            for k, sp in enumerate(ss.spans):
                 tid, sid, pid = sp.trace_id.hex(), sp.span_id.hex(), sp.parent_span_id.hex()
                 start, end = sp.start_time_unix_nano, sp.end_time_unix_nano
                 why = b.check_span(tid, sid, pid, start, end)
@@ -353,6 +374,7 @@ def decode_protobuf(body: bytes, builder: SpanBatchBuilder) -> None:
                         events=[(e.time_unix_nano, e.name, _pb_attrs(e.attributes)) for e in sp.events],
                         links=[(ln.trace_id.hex(), ln.span_id.hex(), ln.trace_state, _pb_attrs(ln.attributes))
                                for ln in sp.links],
+                        path=f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]",
                     )
                     continue
                 ts_a(start)
@@ -360,7 +382,10 @@ def decode_protobuf(body: bytes, builder: SpanBatchBuilder) -> None:
                 sid_a(sid)
                 par_a(pid)
                 state_a(sp.trace_state)
-                name_a(sp.name)
+                nm = sp.name
+                if len(nm) > max_name:
+                    nm = b.clip_name(nm)
+                name_a(nm)
                 kind_a(kinds.get(sp.kind, "Unspecified"))
                 svc_a(service)
                 ra.keys.extend(r_keys)
@@ -624,6 +649,7 @@ def decode_json(body: bytes, builder: SpanBatchBuilder) -> None:
                     status_msg=_J.str_(status.get("message"), p + ".status.message"),
                     events=events,
                     links=links,
+                    path=p,
                 )
 
 

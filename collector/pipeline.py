@@ -161,6 +161,9 @@ class Pipeline:
             if dropped:
                 log.info("retention dropped %d spans older than %s days", dropped, self.retention_days)
         store.maintain()
+        q = store.stats().get("quarantined") if hasattr(store, "stats") else None
+        if q is not None:
+            self.metrics.parts_quarantined.set(q)
 
     def stop(self, flush: bool = True, timeout: float = 30.0) -> bool:
         """Stop the flusher; with ``flush``, write everything acknowledged first.

@@ -9,7 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
-from ttftscope.schemas.store import open_store
+from ttftscope.schemas.store import open_store, redact_url
 
 from .metrics import CollectorMetrics
 from .pipeline import Pipeline
@@ -66,9 +66,10 @@ class Collector:
         return self
 
     def stop(self, timeout: float = 30.0) -> bool:
-        """Stop accepting, then write everything acknowledged. True when nothing is left."""
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop accepting, finish the requests in flight (nothing is acknowledged after
+        this), then write everything acknowledged. True when nothing is left spooled."""
+        if not self.server.drain(timeout):
+            log.warning("requests still in flight after %.0fs; stopping anyway (they were not acknowledged)", timeout)
         ok = self.pipeline.stop(flush=True, timeout=timeout)
         self.spool.close()
         return ok
@@ -87,18 +88,20 @@ def serve(collector: Collector, ready_message: bool = True) -> int:
     collector.start()
     if ready_message:
         pending = collector.spool.pending_rows
-        msg = f"ttftscope collector listening on {collector.url}/v1/traces -> store {collector.store_url}"
+        msg = f"ttftscope collector listening on {collector.url}/v1/traces -> store {redact_url(collector.store_url)}"
         if pending:
             msg += f" ({pending} spooled spans from a previous run will be delivered)"
         print(msg, flush=True)
     stop.wait()
     ok = collector.stop()
-    if ok:
-        print("collector stopped; every acknowledged span is in the store", flush=True)
+    acked = int(collector.metrics.spans_accepted._value.get())
+    left = collector.spool.pending_rows
+    if ok and left == 0:
+        print(f"collector stopped; every acknowledged span is in the store ({acked} this run)", flush=True)
         return 0
     print(
-        f"collector stopped; {collector.spool.pending_rows} spans stay spooled in "
-        f"{collector.spool.dir} and will be delivered on the next start",
+        f"collector stopped; {left} acknowledged spans are spooled but not stored, in "
+        f"{collector.spool.dir}; they will be delivered on the next start ({acked} acknowledged this run)",
         flush=True,
     )
     return 3

@@ -80,15 +80,12 @@ class Spool:
             raise SpoolError(
                 f"spool {self.dir} is in use by another collector; give this one its own --spool"
             ) from None
-        id_file = self.dir / "spool.id"
-        if not id_file.exists():
-            id_file.write_text(uuid.uuid4().hex)
-        self.id = id_file.read_text().strip()
         self._lock = threading.Lock()  # guards the open segment
         self._sync_lock = threading.Lock()  # one fsync at a time
         self._sealed: dict[int, Segment] = {}
         self.torn_records_dropped = 0
         self._recover()
+        self.id = self._spool_id()
         self._seq = max(self._sealed, default=0) + 1
         self._fd: int | None = None
         self._open_seq = 0
@@ -98,6 +95,32 @@ class Spool:
         self._synced = (0, 0)  # (seq, bytes) known durable
 
     # ---------------------------------------------------------------- recovery
+    def _spool_id(self) -> str:
+        """The token prefix of this spool's segments.
+
+        Sequence numbers restart at 1 when the spool is empty, so an empty spool takes a new
+        id: ``{id}-{seq}`` must never repeat a token the store already remembers (its
+        deduplication window would silently skip the new batch). Left-over segments keep
+        the old id, so their replay after a crash is still recognised as a duplicate; the
+        segments that follow them continue the numbering above the highest one left.
+        """
+        id_file = self.dir / "spool.id"
+        if self._sealed and id_file.exists():
+            return id_file.read_text().strip()
+        new = uuid.uuid4().hex
+        tmp = self.dir / f".spool.id.{new}.tmp"
+        with open(tmp, "w") as f:
+            f.write(new)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, id_file)
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return new
+
     def _recover(self) -> None:
         for p in sorted(self.dir.glob("*.open")):
             seq = int(p.stem)

@@ -60,6 +60,8 @@ def test_every_page_renders_the_analyzer_answers(filled, monkeypatch):
     assert any("worker-0" in m.value for m in at.markdown)
     at.switch_page("views/alerts.py").run()
     assert "alerts from this SLO" in at.subheader[0].value
+    # the server fetches Prometheus from configuration only, never a URL a viewer types
+    assert not [t for t in at.text_input if "prometheus" in (t.label or "").lower()]
 
 
 def test_a_request_opens_by_request_id_and_bad_ids_get_a_message(filled, monkeypatch):

@@ -84,8 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("collect", help="run the OTLP/HTTP collector service")
     _store_arg(c)
     c.add_argument("--listen", type=_listen, default=("127.0.0.1", 4318), metavar="HOST:PORT")
-    c.add_argument("--token", default=os.environ.get("TTFTSCOPE_COLLECTOR_TOKEN"),
-                   help="require 'Authorization: Bearer TOKEN' (default: $TTFTSCOPE_COLLECTOR_TOKEN)")
+    c.add_argument("--token", default=None,
+                   help="require 'Authorization: Bearer TOKEN' (visible in the process list: prefer "
+                        "--token-file or $TTFTSCOPE_COLLECTOR_TOKEN)")
+    c.add_argument("--token-file", default=None, metavar="FILE", help="read the bearer token from FILE")
     c.add_argument("--spool", default=None, metavar="DIR", help="on-disk spool (default: per store+listen)")
     c.add_argument("--max-spool", type=_size, default=1 << 30, metavar="SIZE",
                    help="refuse new spans (429/503) beyond this much spooled data (default 1G)")
@@ -93,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--flush-interval", type=float, default=0.5, metavar="S", help="batch age before writing")
     c.add_argument("--retention-days", type=float, default=None, help="drop spans older than this")
     c.add_argument("--no-fsync", action="store_true", help="acknowledge before fsync (faster; a host crash may lose spans)")
+    c.add_argument("--max-memory", type=_size, default=1 << 30, metavar="SIZE",
+                   help="memory all requests in flight may hold while read, decompressed and decoded; "
+                        "past it 429 + Retry-After (default 1G)")
+    c.add_argument("--read-timeout", type=float, default=15.0, metavar="S",
+                   help="cut off a client silent this long (408 on a stalled body; default 15)")
+    c.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="open connections at most; more get 503 (default 256)")
+
+    st = sub.add_parser("store", help="look after the store")
+    st_sub = st.add_subparsers(dest="store_command", required=True)
+    chk = st_sub.add_parser("check", help="verify the store (manifest, every part read in full); exit 1 on a problem")
+    _store_arg(chk)
+    chk.add_argument("--repair", action="store_true",
+                     help="rebuild a lost or corrupt manifest from the parts, quarantine unreadable parts")
+    chk.add_argument("--json", action="store_true")
 
     s = sub.add_parser("sql", help="run ClickHouse SQL over the store")
     _store_arg(s)
@@ -204,8 +221,20 @@ def cmd_collect(a) -> int:
     except StoreError as e:
         print(f"ttftscope collect: {e}", file=sys.stderr)
         return 2
-    cfg = ServerConfig(host=a.listen[0], port=a.listen[1], max_body_bytes=a.max_body,
-                       bearer_token=a.token or None, limits=Limits())
+    token = a.token or os.environ.get("TTFTSCOPE_COLLECTOR_TOKEN") or None
+    if a.token_file:
+        try:
+            with open(a.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            print(f"ttftscope collect: cannot read --token-file: {e}", file=sys.stderr)
+            return 2
+        if not token:
+            print(f"ttftscope collect: --token-file {a.token_file} is empty", file=sys.stderr)
+            return 2
+    cfg = ServerConfig(host=a.listen[0], port=a.listen[1], max_body_bytes=a.max_body, bearer_token=token,
+                       limits=Limits(), max_memory_bytes=a.max_memory, read_timeout_s=a.read_timeout,
+                       max_connections=max(a.max_connections, 1))
     try:
         col = Collector(url, cfg, spool_dir=a.spool, fsync=not a.no_fsync, max_spool_bytes=a.max_spool,
                         segment_age_s=a.flush_interval, retention_days=a.retention_days)
@@ -216,6 +245,43 @@ def cmd_collect(a) -> int:
         print(f"ttftscope collect: cannot listen on {a.listen[0]}:{a.listen[1]}: {e.strerror}", file=sys.stderr)
         return 2
     return serve(col)
+
+
+def cmd_store(a) -> int:
+    import json
+
+    from ttftscope.schemas.store import StoreError, default_store_url
+    from ttftscope.schemas.store.embedded import EmbeddedStore
+
+    url = a.store or default_store_url()
+    if "://" in url and not url.startswith("file://"):
+        print("ttftscope store check: only the embedded store has files to check; a ClickHouse server "
+              "checks its own parts (CHECK TABLE otel_traces)", file=sys.stderr)
+        return 2
+    path = url.removeprefix("file://")
+    try:
+        report = EmbeddedStore.for_check(path).check(repair=a.repair)
+    except StoreError as e:
+        print(f"ttftscope store check: {e}", file=sys.stderr)
+        return 2
+    ok = not report["problems"] or (a.repair and report["repaired"])
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"store {report['store']}: {report['parts']} readable parts, {report['rows']} rows; "
+              f"manifest: {report['manifest']}")
+        for p in report["problems"]:
+            print(f"  problem: {p}")
+        for r in report["repaired"]:
+            print(f"  repaired: {r}")
+        if report["orphans"]:
+            print(f"  {len(report['orphans'])} part file(s) no manifest lists (left by interrupted writes; "
+                  "removed after an hour)")
+        if report["quarantined_before"]:
+            print(f"  {report['quarantined_before']} part(s) quarantined earlier, in {path}/quarantine")
+        if report["problems"] and not a.repair:
+            print("  run again with --repair to rebuild the manifest / quarantine bad parts")
+    return 0 if ok else 1
 
 
 def cmd_sql(a) -> int:
@@ -461,7 +527,9 @@ def cmd_ui(a) -> int:
     cmd, env = ui_command(url, a.port, a.host)
     if a.prometheus:
         env["TTFTSCOPE_PROMETHEUS"] = a.prometheus
-    print(f"ttftscope UI on http://{a.host}:{a.port} (store {url}); Ctrl-C stops it", flush=True)
+    from ttftscope.schemas.store import redact_url
+
+    print(f"ttftscope UI on http://{a.host}:{a.port} (store {redact_url(url)}); Ctrl-C stops it", flush=True)
     try:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
@@ -498,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
             "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
-            "grafana": cmd_grafana, "ui": cmd_ui, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)
+            "grafana": cmd_grafana, "ui": cmd_ui, "store": cmd_store, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)
 
 
 if __name__ == "__main__":

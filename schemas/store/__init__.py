@@ -19,6 +19,19 @@ def default_store_url() -> str:
     return str(Path(base) / "ttftscope" / "store")
 
 
+def redact_url(url: str) -> str:
+    """The store URL fit for a log line: a password becomes ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if "://" not in url:
+        return url
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    netloc = f"{u.username or ''}:***@{u.hostname or ''}" + (f":{u.port}" if u.port else "")
+    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
 def open_store(url: str | None = None, *, create: bool = True, **kwargs) -> Store:
     """Open the store a URL names (see the module docstring)."""
     url = url or default_store_url()
@@ -38,4 +51,4 @@ def open_store(url: str | None = None, *, create: bool = True, **kwargs) -> Stor
     return EmbeddedStore(path, create=create, **kwargs)
 
 
-__all__ = ["Store", "StoreError", "StoreUnavailable", "open_store", "default_store_url", "ENV_STORE"]
+__all__ = ["Store", "StoreError", "StoreUnavailable", "open_store", "default_store_url", "redact_url", "ENV_STORE"]

@@ -22,6 +22,7 @@ a reader still holding the old snapshot can finish. Retention drops whole parts 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import threading
@@ -40,7 +41,13 @@ from ..columns import ARROW_SCHEMA, clickhouse_structure
 from ..ddl import SCHEMA_VERSION, TRACE_ID_TS, TRACES
 from .base import Store, StoreError, StoreUnavailable
 
+log = logging.getLogger("ttftscope.store")
+
 FORMAT = "ttftscope-embedded"
+#: Parquet key-value metadata every part carries, so a lost manifest can be rebuilt from the
+#: parts alone: the insert token of a level-0 part, the names a merged part replaced.
+PART_META = b"ttftscope.part"
+REPAIR_HINT = "run `ttftscope store check --repair`"
 NS_PER_DAY = 86_400 * 10**9
 _BAD_PATH_CHARS = re.compile(r"[*?{}\[\]'\\,]")
 
@@ -99,10 +106,12 @@ def _literal(v: Any) -> str:
 
 
 def _text_params(parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-    """chDB binds scalars itself; arrays and tuples go as ClickHouse text literals."""
+    """chDB binds scalars itself, reading strings in ClickHouse's escaped text format (a
+    backslash starts an escape there, so it is doubled); arrays and tuples go as text literals."""
     if not parameters:
         return parameters
-    return {k: (_literal(v) if isinstance(v, (list, tuple)) else v) for k, v in parameters.items()}
+    return {k: (_literal(v) if isinstance(v, (list, tuple)) else v.replace("\\", "\\\\") if isinstance(v, str) else v)
+            for k, v in parameters.items()}
 
 
 class EmbeddedStore(Store):
@@ -140,10 +149,31 @@ class EmbeddedStore(Store):
         self._db = "store_" + uuid.uuid4().hex[:12]
         self._view_key: tuple | None = None
         if not self.manifest_path.exists():
-            if not create:
+            if self._part_files():
+                self.rebuild_manifest()  # parts without a manifest: never start empty over them
+            elif not create:
                 raise StoreError(f"no ttftscope store at {self.root} (run `ttftscope collect` first?)")
-            self._init_dir()
+            else:
+                self._init_dir()
         self.ensure_schema()
+
+    @classmethod
+    def for_check(cls, path: str | os.PathLike) -> EmbeddedStore:
+        """An instance for ``check``/``rebuild_manifest`` that opens even when the manifest
+        is missing or corrupt (it neither creates nor rebuilds anything by itself)."""
+        root = Path(path).expanduser().absolute()
+        if not (root / "manifest.json").exists() and not (root / TRACES).is_dir():
+            raise StoreError(f"no ttftscope store at {root}")
+        self = cls.__new__(cls)
+        defaults = dict(row_group_size=32_768, merge_factor=8, max_level=4, max_part_rows=4_000_000,
+                        token_window=10_000, garbage_grace_s=60.0, orphan_age_s=3600.0)
+        self.root, self.url = root, str(root)
+        self.parts_dir, self.manifest_path = root / TRACES, root / "manifest.json"
+        for k, v in defaults.items():
+            setattr(self, k, v)
+        self._db = "store_" + uuid.uuid4().hex[:12]
+        self._view_key = None
+        return self
 
     # ------------------------------------------------------------------ manifest
     def _init_dir(self) -> None:
@@ -177,9 +207,18 @@ class EmbeddedStore(Store):
         try:
             m = orjson.loads(data)
         except orjson.JSONDecodeError as e:
-            raise StoreError(f"corrupt manifest {self.manifest_path}: {e}") from e
-        if m.get("format") != FORMAT:
-            raise StoreError(f"{self.root} is not a ttftscope embedded store")
+            raise StoreError(f"corrupt manifest {self.manifest_path}: {e}; {REPAIR_HINT}") from e
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise StoreError(f"{self.root} is not a ttftscope embedded store ({self.manifest_path} "
+                             f"is not one of its manifests); if it was, {REPAIR_HINT}")
+        for key in ("parts", "tokens", "garbage"):
+            if not isinstance(m.get(key), list):
+                raise StoreError(f"corrupt manifest {self.manifest_path}: {key!r} is "
+                                 f"{'missing' if key not in m else type(m[key]).__name__}; {REPAIR_HINT}")
+        for p in m["parts"]:
+            if not isinstance(p, dict) or not {"name", "rows", "min_ts", "max_ts", "day", "level"} <= p.keys():
+                raise StoreError(f"corrupt manifest {self.manifest_path}: a part entry is malformed; {REPAIR_HINT}")
+        m.setdefault("quarantined", [])
         return m
 
     def _write_manifest(self, m: dict) -> None:
@@ -187,13 +226,13 @@ class EmbeddedStore(Store):
         _atomic_write(self.manifest_path, orjson.dumps(m))
 
     @contextmanager
-    def _locked(self):
+    def _locked(self, read: bool = True):
         """Exclusive access to the manifest across processes (flock)."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / "manifest.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield self._read_manifest()
+            yield self._read_manifest() if read else None
         finally:
             os.close(fd)  # closing releases the lock
 
@@ -219,8 +258,12 @@ class EmbeddedStore(Store):
         return SCHEMA_VERSION
 
     # ------------------------------------------------------------------- writes
-    def _write_part(self, table: pa.Table, level: int) -> dict:
-        table = table.sort_by([("Timestamp", "ascending")])
+    @staticmethod
+    def _part_meta(meta: dict) -> dict[bytes, bytes]:
+        return {PART_META: orjson.dumps(meta)}
+
+    def _write_part(self, table: pa.Table, level: int, meta: dict | None = None) -> dict:
+        table = table.sort_by([("Timestamp", "ascending")]).replace_schema_metadata(self._part_meta(meta or {}))
         ts = table.column("Timestamp").cast(pa.int64())
         lo, hi = pc.min(ts).as_py(), pc.max(ts).as_py()
         day = lo // NS_PER_DAY
@@ -260,16 +303,20 @@ class EmbeddedStore(Store):
         if table.schema != ARROW_SCHEMA:
             table = table.select(list(ARROW_SCHEMA.names)).cast(ARROW_SCHEMA)
         with self._locked() as m:
+            if m is None:
+                raise StoreUnavailable(f"store {self.root} lost its manifest; reopen it to rebuild")
             if any(t == token for t, _ in m["tokens"]):
                 return False
         if table.num_rows == 0:
             new_parts: list[dict] = []
         else:
             try:
-                new_parts = [self._write_part(t, 0) for t in self._split_by_day(table)]
+                new_parts = [self._write_part(t, 0, {"token": token}) for t in self._split_by_day(table)]
             except OSError as e:
                 raise StoreUnavailable(f"cannot write to {self.parts_dir}: {e}") from e
         with self._locked() as m:
+            if m is None:
+                raise StoreUnavailable(f"store {self.root} lost its manifest; reopen it to rebuild")
             if any(t == token for t, _ in m["tokens"]):
                 for p in new_parts:
                     (self.parts_dir / f"{p['name']}.parquet").unlink(missing_ok=True)
@@ -298,7 +345,14 @@ class EmbeddedStore(Store):
             parts = sorted(parts, key=lambda p: p["min_ts"])[: self.merge_factor]
             if sum(p["rows"] for p in parts) > self.max_part_rows:
                 continue
-            merged = self._merge_parts(parts, level + 1)
+            try:
+                merged = self._merge_parts(parts, level + 1)
+            except (OSError, pa.ArrowException) as e:
+                bad = [p["name"] for p in parts if self._part_problem(p["name"]) is not None]
+                if not bad:
+                    raise
+                self.quarantine(bad, f"unreadable during a merge: {e}")
+                return True
             names = {p["name"] for p in parts}
             with self._locked() as m2:
                 live = {p["name"] for p in m2["parts"]}
@@ -311,6 +365,15 @@ class EmbeddedStore(Store):
             return True
         return False
 
+    def _merged_meta(self, parts: list[dict], paths: list[Path]) -> dict:
+        """A merged part names the parts it replaces and keeps their insert tokens."""
+        tokens: list[str] = []
+        for path in paths:
+            kv = pq.ParquetFile(path).schema_arrow.metadata or {}
+            meta = orjson.loads(kv[PART_META]) if PART_META in kv else {}
+            tokens += ([meta["token"]] if meta.get("token") else []) + meta.get("tokens", [])
+        return {"merged_from": [p["name"] for p in parts], "tokens": tokens[-self.token_window:]}
+
     def _merge_parts(self, parts: list[dict], level: int) -> dict:
         """Merge parts into one. Parts whose time ranges do not overlap (the usual case: one
         flush after another) are streamed row group by row group, so memory stays at one
@@ -318,17 +381,19 @@ class EmbeddedStore(Store):
         paths = [self.parts_dir / f"{p['name']}.parquet" for p in parts]
         disjoint = all(b["min_ts"] >= a["max_ts"] for a, b in zip(parts, parts[1:], strict=False))
         if not disjoint:
-            return self._write_part(pa.concat_tables([pq.read_table(p) for p in paths]), level)
+            return self._write_part(pa.concat_tables([pq.read_table(p).replace_schema_metadata(None) for p in paths]),
+                                    level, self._merged_meta(parts, paths))
         rows = sum(p["rows"] for p in parts)
         lo, hi = parts[0]["min_ts"], max(p["max_ts"] for p in parts)
         name = f"{lo // NS_PER_DAY}-L{level}-{uuid.uuid4().hex}"
         final, tmp = self.parts_dir / f"{name}.parquet", self.parts_dir / f".{name}.tmp"
-        with pq.ParquetWriter(tmp, ARROW_SCHEMA, compression="zstd", compression_level=1, write_statistics=True,
+        schema = ARROW_SCHEMA.with_metadata(self._part_meta(self._merged_meta(parts, paths)))
+        with pq.ParquetWriter(tmp, schema, compression="zstd", compression_level=1, write_statistics=True,
                               bloom_filter_options={"TraceId": {"ndv": max(rows, 1), "fpp": 0.01}}) as w:
             for path in paths:
                 f = pq.ParquetFile(path)
                 for batch in f.iter_batches(batch_size=self.row_group_size):
-                    w.write_batch(batch, row_group_size=self.row_group_size)
+                    w.write_batch(batch.replace_schema_metadata(schema.metadata), row_group_size=self.row_group_size)
         _publish(tmp, final)
         return {"name": name, "rows": rows, "min_ts": lo, "max_ts": hi, "day": lo // NS_PER_DAY, "level": level,
                 "bytes": final.stat().st_size, "created": time.time()}
@@ -345,9 +410,16 @@ class EmbeddedStore(Store):
             self._write_manifest(m)
         return sum(p["rows"] for p in old)
 
+    def _part_files(self) -> list[Path]:
+        if not self.parts_dir.is_dir():
+            return []
+        return sorted(f for f in self.parts_dir.glob("*.parquet") if f.name != "_empty.parquet")
+
     def _collect_garbage(self) -> None:
         now = time.time()
         with self._locked() as m:
+            if m is None:  # never judge files orphans without a manifest
+                return
             due = [n for n, t in m["garbage"] if now - t >= self.garbage_grace_s]
             if due:
                 for n in due:
@@ -365,6 +437,171 @@ class EmbeddedStore(Store):
             except FileNotFoundError:
                 pass
 
+    # ------------------------------------------------------------ integrity
+    def _part_problem(self, name: str, full: bool = False) -> str | None:
+        """Why a part cannot be read (missing, truncated, not Parquet), or None.
+        The footer is read always; ``full`` reads every row group too."""
+        path = self.parts_dir / f"{name}.parquet"
+        if not path.exists():
+            return "missing"
+        try:
+            f = pq.ParquetFile(path)
+            if full:
+                for i in range(f.num_row_groups):
+                    f.read_row_group(i)
+        except (OSError, pa.ArrowException) as e:
+            return f"unreadable: {e}"[:300]
+        return None
+
+    def quarantine(self, names: list[str], reason: str) -> int:
+        """Take parts out of the live set: moved to ``quarantine/`` (never deleted), listed
+        in the manifest with the reason, logged. Returns how many were taken out."""
+        qdir = self.root / "quarantine"
+        qdir.mkdir(exist_ok=True)
+        with self._locked() as m:
+            if m is None:
+                return 0
+            live = {p["name"]: p for p in m["parts"]}
+            out = [n for n in names if n in live]
+            if not out:
+                return 0
+            for n in out:
+                src = self.parts_dir / f"{n}.parquet"
+                if src.exists():
+                    os.replace(src, qdir / src.name)
+                m["quarantined"].append({"name": n, "rows": live[n]["rows"], "reason": reason, "at": time.time()})
+            m["parts"] = [p for p in m["parts"] if p["name"] not in set(out)]
+            self._write_manifest(m)
+        log.error("quarantined %d part(s) of %s (%s): %s; the rest of the store stays readable",
+                  len(out), self.root, reason, ", ".join(out))
+        return len(out)
+
+    def _quarantine_unreadable(self) -> int:
+        """After a failed read: find the live parts that cannot be read and take them out."""
+        m = self.manifest()
+        bad: dict[str, list[str]] = {}
+        for p in m["parts"]:
+            why = self._part_problem(p["name"])
+            if why is not None:
+                bad.setdefault(why.split(":")[0], []).append(p["name"])
+        return sum(self.quarantine(names, why) for why, names in bad.items())
+
+    def _describe_part(self, path: Path) -> tuple[dict, dict] | None:
+        """(manifest entry, part metadata) from a part file alone; None if unreadable."""
+        try:
+            f = pq.ParquetFile(path)
+            md = f.metadata
+            kv = md.metadata or {}
+            meta = orjson.loads(kv[PART_META]) if PART_META in kv else {}
+            col = f.schema_arrow.get_field_index("Timestamp")
+            lo = hi = None
+            for i in range(md.num_row_groups):
+                st = md.row_group(i).column(col).statistics
+                if st is None or not st.has_min_max:
+                    ts = f.read_row_group(i, columns=["Timestamp"]).column(0).cast(pa.int64())
+                    rlo, rhi = pc.min(ts).as_py(), pc.max(ts).as_py()
+                else:
+                    rlo, rhi = (int(pa.scalar(st.min, pa.timestamp("ns")).cast(pa.int64()).as_py())
+                                if not isinstance(st.min, int) else st.min,
+                                int(pa.scalar(st.max, pa.timestamp("ns")).cast(pa.int64()).as_py())
+                                if not isinstance(st.max, int) else st.max)
+                if rlo is not None:
+                    lo = rlo if lo is None else min(lo, rlo)
+                    hi = rhi if hi is None else max(hi, rhi)
+        except (OSError, pa.ArrowException, orjson.JSONDecodeError, KeyError, ValueError):
+            return None
+        name = path.name.removesuffix(".parquet")
+        head = name.split("-")
+        level = int(head[1][1:]) if len(head) > 2 and head[1].startswith("L") and head[1][1:].isdigit() else 0
+        lo = lo if lo is not None else 0
+        entry = {"name": name, "rows": md.num_rows, "min_ts": lo, "max_ts": hi if hi is not None else lo,
+                 "day": lo // NS_PER_DAY, "level": level, "bytes": path.stat().st_size,
+                 "created": path.stat().st_mtime}
+        return entry, meta
+
+    def rebuild_manifest(self) -> dict:
+        """A manifest from the part files alone (it was lost or is corrupt).
+
+        Each part carries its rows and time range (Parquet statistics), its insert token
+        (level 0) and the parts it replaced (merges). Parts that a merged part replaced are
+        left out (their rows are in it), unreadable ones are quarantined, and the tokens are
+        restored so that a spool replaying a segment the store already holds is still
+        recognised. Nothing is deleted."""
+        with self._locked(read=False):
+            described, unreadable = [], []
+            for path in self._part_files():
+                d = self._describe_part(path)
+                (described.append(d) if d else unreadable.append(path))
+            replaced = {n for _, meta in described for n in meta.get("merged_from", [])}
+            parts = [e for e, _ in described if e["name"] not in replaced]
+            tokens = sorted(([t, e["created"]] for e, meta in described
+                             for t in ([meta["token"]] if meta.get("token") else []) + meta.get("tokens", [])),
+                            key=lambda t: t[1])
+            tokens = list({t: c for t, c in tokens}.items())
+            old = None
+            if self.manifest_path.exists():
+                old = self.manifest_path.with_name(f"manifest.json.corrupt-{int(time.time())}")
+                os.replace(self.manifest_path, old)
+            m = self._new_manifest()
+            m["parts"] = parts
+            m["tokens"] = tokens[-self.token_window :]
+            m["garbage"] = [[n, time.time()] for n in sorted(replaced)
+                            if (self.parts_dir / f"{n}.parquet").exists()]
+            m["quarantined"] = []
+            qdir = self.root / "quarantine"
+            for path in unreadable:
+                qdir.mkdir(exist_ok=True)
+                os.replace(path, qdir / path.name)
+                m["quarantined"].append({"name": path.name.removesuffix(".parquet"), "rows": None,
+                                         "reason": "unreadable when the manifest was rebuilt", "at": time.time()})
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+            empty = self.parts_dir / "_empty.parquet"
+            if not empty.exists():
+                pq.write_table(ARROW_SCHEMA.empty_table(), empty)
+            self._write_manifest(m)
+        log.warning("store %s: manifest %s; rebuilt it from %d part(s) holding %d rows%s%s",
+                    self.root, f"was corrupt (kept as {old.name})" if old else "was missing", len(parts),
+                    sum(p["rows"] for p in parts),
+                    f", {len(replaced)} merged-away part(s) left out" if replaced else "",
+                    f", {len(unreadable)} unreadable part(s) quarantined" if unreadable else "")
+        return m
+
+    def check(self, repair: bool = False) -> dict:
+        """Verify the store: the manifest, every live part read in full, row counts, files no
+        manifest lists. With ``repair``: rebuild a corrupt manifest, quarantine bad parts."""
+        report: dict = {"store": str(self.root), "manifest": "ok", "parts": 0, "rows": 0, "problems": [],
+                        "repaired": [], "orphans": [], "quarantined_before": 0}
+        try:
+            m = self.manifest()
+        except StoreError as e:  # missing or corrupt
+            report["manifest"] = str(e)
+            report["problems"].append(f"manifest: {e}")
+            if not repair:
+                return report
+            m = self.rebuild_manifest()
+            report["repaired"].append("manifest rebuilt from the parts")
+        report["quarantined_before"] = len(m.get("quarantined", []))
+        bad: dict[str, list[str]] = {}
+        for p in m["parts"]:
+            why = self._part_problem(p["name"], full=True)
+            if why is None:
+                n = pq.ParquetFile(self.parts_dir / f"{p['name']}.parquet").metadata.num_rows
+                if n != p["rows"]:
+                    why = f"holds {n} rows, the manifest says {p['rows']}"
+            if why is not None:
+                report["problems"].append(f"part {p['name']}: {why}")
+                bad.setdefault(why.split(":")[0], []).append(p["name"])
+            else:
+                report["parts"] += 1
+                report["rows"] += p["rows"]
+        known = {p["name"] for p in m["parts"]} | {n for n, _ in m["garbage"]}
+        report["orphans"] = [f.name for f in self._part_files() if f.name.removesuffix(".parquet") not in known]
+        if repair:
+            for why, names in bad.items():
+                if self.quarantine(names, why):
+                    report["repaired"].append(f"quarantined {len(names)} part(s): {why}")
+        return report
+
     # ------------------------------------------------------------------- reads
     def _refresh_views(self, force: bool = False) -> None:
         try:
@@ -376,6 +613,9 @@ class EmbeddedStore(Store):
             return
         m = self.manifest()
         names = [p["name"] for p in m["parts"]]
+        gone = [n for n in names if not (self.parts_dir / f"{n}.parquet").exists()]
+        if gone and self.quarantine(gone, "missing"):  # a file glob would skip them silently
+            return self._refresh_views(force=True)
         if names:
             glob = "{" + ",".join(names) + "}" if len(names) > 1 else names[0]
             src = f"{self.parts_dir}/{glob}.parquet"
@@ -401,8 +641,8 @@ class EmbeddedStore(Store):
         from chdb import ChdbError
 
         with _ENGINE_LOCK:
-            for attempt in (0, 1):
-                self._refresh_views(force=attempt == 1)
+            for attempt in (0, 1, 2):
+                self._refresh_views(force=attempt > 0)
                 s = _session()
                 try:
                     s.query(f"USE {self._db}")
@@ -411,8 +651,17 @@ class EmbeddedStore(Store):
                     msg = str(e)
                     if attempt == 0 and ("FILE_DOESNT_EXIST" in msg or "CANNOT_OPEN_FILE" in msg):
                         continue  # a merge replaced parts under us: reload the snapshot
+                    if attempt < 2 and self._reads_parts(msg) and self._quarantine_unreadable():
+                        continue  # a part that cannot be read is set aside; the rest answers
                     raise StoreError(msg.strip()) from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    def _reads_parts(msg: str) -> bool:
+        """An error reading the part files (not a mistake in the SQL)."""
+        return any(k in msg for k in ("Parquet", "parquet", "FILE_DOESNT_EXIST", "CANNOT_OPEN_FILE",
+                                      "CANNOT_READ", "INCORRECT_DATA", "ATTEMPT_TO_READ_AFTER_EOF",
+                                      "UNEXPECTED_END_OF_FILE", "CANNOT_PARSE"))
 
     def query_arrow(self, sql: str, parameters: dict[str, Any] | None = None) -> pa.Table:
         return self._run(sql, "ArrowTable", parameters)
@@ -432,6 +681,7 @@ class EmbeddedStore(Store):
             "rows": sum(p["rows"] for p in m["parts"]),
             "bytes": sum(p["bytes"] for p in m["parts"]),
             "generation": m["generation"],
+            "quarantined": len(m["quarantined"]),
         }
 
     def close(self) -> None:

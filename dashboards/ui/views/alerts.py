@@ -48,8 +48,12 @@ with tempfile.TemporaryDirectory() as d:
     st.download_button("Download rules, Alertmanager config and Grafana dashboards (zip)", buf.getvalue(),
                        file_name="ttftscope-alerts.zip", mime="application/zip")
 st.subheader("Firing now")
-prom = st.text_input("Prometheus URL", value=os.environ.get("TTFTSCOPE_PROMETHEUS", ""), placeholder="http://localhost:9090")
+# The server fetches this URL, so it comes from the operator's configuration (`ttftscope ui
+# --prometheus URL`), never from what a viewer types: a page that fetched any URL would let
+# every viewer make the UI's host request internal addresses.
+prom = os.environ.get("TTFTSCOPE_PROMETHEUS", "")
 if prom:
+    st.caption(f"Prometheus: {prom} (set with `ttftscope ui --prometheus URL`)")
     try:
         r = requests.get(prom.rstrip("/") + "/api/v1/alerts", timeout=3)
         r.raise_for_status()
@@ -63,4 +67,4 @@ if prom:
     except (requests.RequestException, ValueError, KeyError) as e:
         st.error(f"Cannot read alerts from {prom}: {e}")
 else:
-    st.caption("Set a Prometheus URL to see the current firing state.")
+    st.caption("Start the UI with `ttftscope ui --prometheus URL` to see the current firing state.")

@@ -1,0 +1,437 @@
+"""Nothing acknowledged is lost, for real: restarts, a damaged store directory, multi-member
+gzip, bounded memory under big concurrent bodies, stalled connections, an honest SIGTERM.
+
+Every test here counts exactly which spans were acknowledged (HTTP 200) and which are in the
+store afterwards, read back through ``ttftscope sql`` in another process.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import PY, ROOT, free_port, ttftscope_sql
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from otel_helpers import otlp_request
+from test_durability import PB, Sender, _batch, _ids, _stored
+
+
+def _post_batches(url: str, first: int, count: int, per: int = 100) -> set[str]:
+    acked: set[str] = set()
+    for b in range(first, first + count):
+        r = requests.post(url + "/v1/traces", data=_batch(b, per), headers=PB, timeout=30)
+        assert r.status_code == 200, r.content
+        acked |= _ids(b, per)
+    return acked
+
+
+def _wait_written(col, n: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while col.metric("ttftscope_collector_spans_written_total") < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert col.metric("ttftscope_collector_spans_written_total") >= n
+
+
+def _exact(store: str, acked: set[str]) -> None:
+    stored = _stored(store)
+    assert len(stored) == len(set(stored)), "a span stored twice"
+    missing = acked - set(stored)
+    assert not missing, f"{len(missing)} of {len(acked)} acknowledged spans are not in the store"
+    assert set(stored) == acked
+
+
+# ------------------------------------------------------------------------- restarts
+
+@pytest.mark.parametrize("how", ["sigterm", "kill9-idle", "sigterm-other-port"])
+def test_restart_keeps_every_acknowledged_span(collector_factory, tmp_path, how):
+    """3 x 100 spans, stop, start again on the same store, 3 x 100 more: 600 stored."""
+    col = collector_factory().start()
+    acked = _post_batches(col.url, 0, 3)
+    if how == "kill9-idle":
+        _wait_written(col, 300)  # idle: everything written, the spool empty
+        col.kill9()
+    else:
+        assert col.terminate() == 0, col.output()
+    if how == "sigterm-other-port":
+        col = collector_factory(spool=tmp_path / "spool-2")
+    col.start()
+    acked |= _post_batches(col.url, 3, 3)
+    assert col.terminate() == 0, col.output()
+    assert "every acknowledged span is in the store" in col.output()
+    _exact(col.store, acked)
+    assert len(acked) == 600
+
+
+def test_many_restarts_with_the_default_spool(tmp_path):
+    """The default spool (per store and listen address), as `ttftscope collect` runs it."""
+    store, port = str(tmp_path / "store"), free_port()
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    acked: set[str] = set()
+    for cycle in range(4):
+        p = subprocess.Popen([PY, "-m", "ttftscope", "collect", "--store", store, "--listen", f"127.0.0.1:{port}",
+                              "--flush-interval", "0.1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        from conftest import wait_http
+
+        wait_http(url + "/healthz", p)
+        acked |= _post_batches(url, cycle * 2, 2, per=50)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, out
+    _exact(store, acked)
+
+
+# ------------------------------------------------------------- a damaged store directory
+
+def _filled_store(tmp_path: Path, batches: int = 12, merge: bool = True) -> tuple[str, set[str]]:
+    """A store written the way the collector writes it: level-0 parts, merges, garbage."""
+    from ttftscope.collector.otlp import decode
+    from ttftscope.schemas.store import open_store
+
+    path = str(tmp_path / "store")
+    st = open_store(path, merge_factor=4)
+    acked: set[str] = set()
+    for b in range(batches):
+        table, _ = decode(_batch(b, 25), "protobuf")
+        assert st.insert_spans(table, f"tok-{b}")
+        acked |= _ids(b, 25)
+    if merge:
+        st.maintain()  # 12 -> 3 merged parts; the 12 merged-away files stay (grace period)
+    st.close()
+    return path, acked
+
+
+def _age(path: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    for f in path.rglob("*.parquet"):
+        os.utime(f, (t, t))
+
+
+def test_missing_manifest_is_rebuilt_from_the_parts_and_nothing_is_deleted(tmp_path):
+    from ttftscope.collector.otlp import decode
+    from ttftscope.schemas.store import open_store
+
+    path, acked = _filled_store(tmp_path)
+    files_before = sorted((Path(path) / "otel_traces").glob("*.parquet"))
+    assert len(files_before) > 4, "merged parts and merged-away ones are both on disk"
+    (Path(path) / "manifest.json").unlink()
+    _age(Path(path), 7200)  # older than the orphan age: a naive upkeep would delete them
+    st = open_store(path, garbage_grace_s=3600)
+    st.maintain()
+    n, u = st.query("SELECT count(), uniqExact(SpanId) FROM otel_traces").row(0)
+    assert (n, u) == (len(acked), len(acked)), "merged-away parts are not counted twice"
+    assert not st.insert_spans(decode(_batch(5, 25), "protobuf")[0], "tok-5"), "insert tokens restored"
+    st.close()
+    _exact(path, acked)
+
+
+def test_collector_on_a_store_without_manifest_keeps_the_data(collector_factory, tmp_path):
+    path, acked = _filled_store(tmp_path, merge=False)
+    (Path(path) / "manifest.json").unlink()
+    _age(Path(path), 7200)
+    col = collector_factory(store=path).start()
+    acked |= _post_batches(col.url, 100, 2)
+    assert col.terminate() == 0, col.output()
+    _exact(path, acked)
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"format": "ttftscope-embedded", "parts": null}',
+                                     b'{"format": "ttftscope-embedded", "generation": 3}', b"[]"])
+def test_corrupt_manifest_is_a_clear_error_then_repaired(tmp_path, collector_factory, content):
+    path, acked = _filled_store(tmp_path)
+    (Path(path) / "manifest.json").write_bytes(content)
+    r = subprocess.run([PY, "-m", "ttftscope", "sql", "--store", path, "SELECT count() FROM otel_traces"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "store check --repair" in r.stderr
+    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", path, "--last", "1h"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    # the collector refuses to start instead of acknowledging what it could never write
+    port = free_port()
+    r = subprocess.run([PY, "-m", "ttftscope", "collect", "--store", path, "--listen", f"127.0.0.1:{port}",
+                        "--spool", str(tmp_path / "sp")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "store check --repair" in r.stderr, r.stderr
+    check = subprocess.run([PY, "-m", "ttftscope", "store", "check", "--store", path],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert check.returncode == 1 and "manifest" in check.stdout
+    fix = subprocess.run([PY, "-m", "ttftscope", "store", "check", "--repair", "--store", path],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert fix.returncode == 0, fix.stdout + fix.stderr
+    assert "manifest rebuilt" in fix.stdout
+    _exact(path, acked)
+    again = subprocess.run([PY, "-m", "ttftscope", "store", "check", "--store", path],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert again.returncode == 0, again.stdout
+
+
+def _live_parts(path: str) -> list[dict]:
+    import orjson
+
+    return orjson.loads((Path(path) / "manifest.json").read_bytes())["parts"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garbage"])
+def test_one_bad_part_is_quarantined_and_the_rest_stays_readable(tmp_path, damage):
+    from ttftscope.collector.otlp import decode
+    from ttftscope.schemas.store import open_store
+
+    path, acked = _filled_store(tmp_path, batches=6, merge=False)
+    victim = _live_parts(path)[2]
+    f = Path(path) / "otel_traces" / f"{victim['name']}.parquet"
+    if damage == "truncate":
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "delete":
+        f.unlink()
+    else:
+        f.write_bytes(b"not parquet at all " * 50)
+    rows = ttftscope_sql(path, "SELECT count() AS n FROM otel_traces")
+    assert int(rows[0]["n"]) == len(acked) - victim["rows"]
+    assert victim["name"] not in {p["name"] for p in _live_parts(path)}
+    if damage != "delete":
+        assert (Path(path) / "quarantine" / f.name).exists(), "set aside, never deleted"
+    st = open_store(path, merge_factor=2)
+    assert st.stats()["quarantined"] == 1
+    st.maintain()  # merges work again
+    assert st.insert_spans(decode(_batch(50, 10), "protobuf")[0], "after")
+    assert st.query("SELECT count() FROM otel_traces").item() == len(acked) - victim["rows"] + 10
+    st.close()
+    chk = subprocess.run([PY, "-m", "ttftscope", "store", "check", "--store", path],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert chk.returncode == 0 and "1 part(s) quarantined" in chk.stdout, chk.stdout
+
+
+def test_store_check_finds_a_damaged_part_and_repairs(tmp_path):
+    path, acked = _filled_store(tmp_path, batches=5, merge=False)
+    victim = _live_parts(path)[0]
+    f = Path(path) / "otel_traces" / f"{victim['name']}.parquet"
+    f.write_bytes(f.read_bytes()[:-30])
+    chk = subprocess.run([PY, "-m", "ttftscope", "store", "check", "--store", path],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert chk.returncode == 1 and victim["name"] in chk.stdout
+    fix = subprocess.run([PY, "-m", "ttftscope", "store", "check", "--repair", "--store", path],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert fix.returncode == 0 and "quarantined 1 part" in fix.stdout, fix.stdout
+    assert int(ttftscope_sql(path, "SELECT count() AS n FROM otel_traces")[0]["n"]) == len(acked) - victim["rows"]
+
+
+# ------------------------------------------------------------------------ the wire
+
+def test_multi_member_gzip_stores_every_member_and_garbage_is_400(collector_factory):
+    col = collector_factory().start()
+    a, b = _batch(1, 30), _batch(2, 40)
+    body = gzip.compress(a) + gzip.compress(b)
+    # two members = one protobuf message concatenated (protobuf merges repeated fields)
+    r = requests.post(col.url + "/v1/traces", data=body, headers={**PB, "Content-Encoding": "gzip"}, timeout=10)
+    assert r.status_code == 200
+    resp = trace_service_pb2.ExportTraceServiceResponse()
+    resp.ParseFromString(r.content)
+    assert resp.partial_success.rejected_spans == 0
+    for bad in (gzip.compress(_batch(3, 5)) + b"trailing junk", gzip.compress(_batch(4, 5)) + gzip.compress(b"x")[:10]):
+        r = requests.post(col.url + "/v1/traces", data=bad, headers={**PB, "Content-Encoding": "gzip"}, timeout=10)
+        assert r.status_code == 400, r.status_code
+    assert col.terminate() == 0
+    _exact(col.store, _ids(1, 30) | _ids(2, 40))
+
+
+def _vm(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def test_memory_is_bounded_under_concurrent_maximum_size_bodies(collector_factory):
+    """16 concurrent 4 MiB bodies (half gzip): the decode cost is admitted against
+    --max-memory before decoding, the rest get 429 + Retry-After, RSS stays bounded."""
+    budget = 256 << 20
+    col = collector_factory(extra=["--max-body", "4M", "--max-memory", "256M"]).start()
+    requests.post(col.url + "/v1/traces", data=_batch(0, 10), headers=PB, timeout=10)  # warm
+    base = _vm(col.proc.pid, "VmRSS")
+
+    def big(k: int) -> bytes:
+        req = otlp_request(1, service="dur", ids=lambda i: (k + 1, (k << 16) + i + 1))
+        span = req.resource_spans[0].scope_spans[0].spans[0]
+        for i in range(1, 30_000):  # ~4 MB of spans with attributes
+            sp = req.resource_spans[0].scope_spans[0].spans.add()
+            sp.CopyFrom(span)
+            sp.span_id = ((k << 16) + i + 1).to_bytes(8, "big")
+            kv = sp.attributes.add()
+            kv.key, kv.value.string_value = "ttftscope.request.id", f"req-{k}-{i}-" + "x" * 40
+        return req.SerializeToString()
+
+    bodies = []
+    for k in range(16):
+        b = big(k + 100)
+        assert len(b) <= 4 << 20
+        bodies.append((k, gzip.compress(b) if k % 2 else b, bool(k % 2)))
+    results: dict[int, requests.Response] = {}
+
+    def send(k: int, body: bytes, gz: bool) -> None:
+        h = {**PB, **({"Content-Encoding": "gzip"} if gz else {})}
+        results[k] = requests.post(col.url + "/v1/traces", data=body, headers=h, timeout=300)
+
+    threads = [threading.Thread(target=send, args=x) for x in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    codes = sorted(r.status_code for r in results.values())
+    assert set(codes) <= {200, 429}, codes
+    assert 200 in codes and 429 in codes, codes
+    assert all(int(r.headers["Retry-After"]) > 0 for r in results.values() if r.status_code == 429)
+    peak = _vm(col.proc.pid, "VmHWM")
+    # without admission control 16 x 4 MiB decodes at once peak near 1 GB above the base
+    assert peak - base < budget + (192 << 20), f"peak RSS {peak >> 20} MiB over a base of {base >> 20} MiB"
+    assert col.metric("ttftscope_collector_requests_over_budget_total") == codes.count(429)
+    acked_k = [k for k, r in results.items() if r.status_code == 200]
+    assert col.terminate() == 0
+    n = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE ServiceName = 'dur'")
+    assert int(n[0]["n"]) == 30_000 * len(acked_k) + 10
+
+
+def _threads(pid: int) -> int:
+    return _vm(pid, "Threads") // 1024
+
+
+def test_stalled_connections_are_cut_off_and_capped(collector_factory):
+    col = collector_factory(extra=["--read-timeout", "1", "--max-connections", "20"]).start()
+    base = _threads(col.proc.pid)
+    socks = []
+    for _ in range(60):  # a header, then silence
+        s = socket.create_connection(("127.0.0.1", col.port))
+        s.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    time.sleep(0.3)
+    assert _threads(col.proc.pid) <= base + 20, "one thread per connection, at most --max-connections"
+    # a body shorter than its Content-Length: 408 once the read timeout passes
+    s = socket.create_connection(("127.0.0.1", col.port), timeout=30)
+    deadline = time.monotonic() + 20
+    while True:  # the cap may still be full of the stalled ones until they time out
+        s.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                  b"Content-Length: 1000\r\n\r\n" + b"\x0a" * 10)
+        reply = s.recv(4096)
+        if not reply.startswith(b"HTTP/1.1 503") or time.monotonic() > deadline:
+            break
+        s.close()
+        time.sleep(0.5)
+        s = socket.create_connection(("127.0.0.1", col.port), timeout=30)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    s.close()
+    for s in socks:
+        s.close()
+    r = requests.post(col.url + "/v1/traces", data=_batch(1, 10), headers=PB, timeout=10)
+    assert r.status_code == 200
+    assert col.metric("ttftscope_collector_connections_refused_total") >= 40
+    assert col.metric('ttftscope_collector_requests_total{code="408"}') == 1
+    assert col.terminate() == 0
+    assert "Traceback" not in col.output()
+    _exact(col.store, _ids(1, 10))
+
+
+def test_sigterm_acknowledges_nothing_it_does_not_store(collector_factory):
+    """Keep-alive senders keep posting through SIGTERM: every 200 is in the store."""
+    col = collector_factory().start()
+    senders = [Sender(col.url, per_batch=50, start_at=k * 10_000) for k in range(3)]
+    for s in senders:
+        s.start()
+    time.sleep(1.5)
+    col.proc.send_signal(signal.SIGTERM)
+    rc = col.proc.wait(60)
+    for s in senders:
+        s.stop.set()
+        s.join(15)
+    acked = set().union(*(s.acked for s in senders))
+    assert len(acked) > 300
+    out = col.output()
+    assert rc == 0 and "every acknowledged span is in the store" in out, out[-2000:]
+    _exact(col.store, acked)
+
+
+# --------------------------------------------------------------------- small edges
+
+def test_event_timestamp_past_int64_and_bad_link_ids_reject_only_that_span(collector_factory):
+    col = collector_factory().start()
+    req = otlp_request(3, name="edge", service="dur")
+    spans = req.resource_spans[0].scope_spans[0].spans
+    ev = spans[1].events.add()
+    ev.time_unix_nano, ev.name = 1 << 63, "overflow"
+    ln = spans[2].links.add()
+    ln.trace_id, ln.span_id = b"\x01" * 5, b"\x02" * 8
+    r = requests.post(col.url + "/v1/traces", data=req.SerializeToString(), headers=PB, timeout=10)
+    assert r.status_code == 200
+    resp = trace_service_pb2.ExportTraceServiceResponse()
+    resp.ParseFromString(r.content)
+    assert resp.partial_success.rejected_spans == 2
+    msg = resp.partial_success.error_message
+    assert "spans[1].events[0].timeUnixNano" in msg and "spans[2].links[0]" in msg
+    assert col.terminate() == 0
+    assert [r["SpanId"] for r in ttftscope_sql(col.store, "SELECT SpanId FROM otel_traces")] == [format(1, "016x")]
+
+
+def test_huge_span_name_is_capped(collector_factory):
+    col = collector_factory().start()
+    req = otlp_request(1, name="n" * (10 << 20), service="dur")
+    r = requests.post(col.url + "/v1/traces", data=req.SerializeToString(), headers=PB, timeout=30)
+    assert r.status_code == 200
+    resp = trace_service_pb2.ExportTraceServiceResponse()
+    resp.ParseFromString(r.content)
+    assert "names truncated" in resp.partial_success.error_message
+    assert col.terminate() == 0
+    n = ttftscope_sql(col.store, "SELECT length(SpanName) AS n FROM otel_traces")
+    assert 0 < int(n[0]["n"]) <= 4096
+
+
+def test_bearer_scheme_is_case_insensitive_and_token_comes_from_a_file(collector_factory, tmp_path):
+    tf = tmp_path / "token"
+    tf.write_text("s3cret-from-file\n")
+    col = collector_factory(extra=["--token-file", str(tf)]).start()
+    cmdline = Path(f"/proc/{col.proc.pid}/cmdline").read_bytes()
+    assert b"s3cret-from-file" not in cmdline
+    body = _batch(1, 2)
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        h = {**PB, "Authorization": f"{scheme} s3cret-from-file"}
+        assert requests.post(col.url + "/v1/traces", data=body, headers=h, timeout=10).status_code == 200
+    h = {**PB, "Authorization": "Basic s3cret-from-file"}
+    assert requests.post(col.url + "/v1/traces", data=body, headers=h, timeout=10).status_code == 401
+    assert col.terminate() == 0
+
+
+def test_store_password_is_not_printed(tmp_path):
+    port = free_port()
+    p = subprocess.Popen([PY, "-m", "ttftscope", "collect", "--store",
+                          f"clickhouse://default:hunter2pass@127.0.0.1:{free_port()}/db",
+                          "--listen", f"127.0.0.1:{port}", "--spool", str(tmp_path / "sp")],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from conftest import wait_http
+
+    wait_http(f"http://127.0.0.1:{port}/healthz", p)
+    time.sleep(1.0)  # the flusher's first (failing) connection attempt is logged
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert "listening on" in out and "***" in out
+    assert "hunter2pass" not in out
+
+
+def test_backslash_in_a_bound_parameter_is_found(collector_factory):
+    col = collector_factory().start()
+    req = otlp_request(1, name="bs", service="dur")
+    kv = req.resource_spans[0].scope_spans[0].spans[0].attributes.add()
+    kv.key, kv.value.string_value = "ttftscope.request.id", "cmpl-a\\b\\n"
+    assert requests.post(col.url + "/v1/traces", data=req.SerializeToString(), headers=PB, timeout=10).status_code == 200
+    assert col.terminate() == 0
+    rows = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces "
+                                    "WHERE SpanAttributes['ttftscope.request.id'] = {rid:String}",
+                         params={"rid": "cmpl-a\\b\\n"})
+    assert int(rows[0]["n"]) == 1
