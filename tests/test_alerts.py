@@ -221,6 +221,7 @@ class _Webhook(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_end_to_end_prometheus_evaluates_rules_and_alertmanager_delivers(tmp_path):
     """Real Prometheus scrapes real vLLM + the collector; the TTFT alert reaches a webhook."""
     hook = ThreadingHTTPServer(("127.0.0.1", 0), _Webhook)

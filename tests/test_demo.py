@@ -16,6 +16,7 @@ import requests
 from conftest import PY, ROOT, CollectorProc, VllmServer, free_port, ttftscope_sql
 
 
+@pytest.mark.slow
 def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans_up(tmp_path):
     store, port = str(tmp_path / "store"), free_port()
     proc = subprocess.Popen([PY, "-m", "ttftscope", "demo", "--quick", "--store", store, "--workdir", str(tmp_path / "w"),
@@ -66,6 +67,7 @@ def served(tmp_path):
         col.terminate()
 
 
+@pytest.mark.slow
 def test_run_against_a_running_server_is_a_ci_gate(served, tmp_path):
     col, srv = served
     prof = tmp_path / "p.yaml"
@@ -88,6 +90,7 @@ def test_run_against_a_running_server_is_a_ci_gate(served, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_server_killed_mid_profile_is_reported_and_collected_data_kept(served, tmp_path):
     col, srv = served
     prof = tmp_path / "p.yaml"
@@ -103,6 +106,7 @@ def test_server_killed_mid_profile_is_reported_and_collected_data_kept(served, t
     assert int(n) > 0, "what was collected before the kill is in the store"
 
 
+@pytest.mark.slow
 def test_sweep_over_two_settings_recommends_one(tmp_path):
     store = str(tmp_path / "store")
     prof = tmp_path / "p.yaml"
@@ -121,6 +125,7 @@ def test_sweep_over_two_settings_recommends_one(tmp_path):
     assert int(runs[0]["n"]) == 2, "each setting's traces are stored under their own run label"
 
 
+@pytest.mark.slow
 def test_run_with_priority_classes(tmp_path):
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
     srv = VllmServer(tmp_path, col.url + "/v1/traces", run="prio", extra=["--scheduling-policy", "priority"]).start()

@@ -142,6 +142,7 @@ def wait_rendered(driver, timeout: float = 90) -> None:
     raise TimeoutError("page did not finish rendering")
 
 
+@pytest.mark.slow
 def test_every_page_in_a_real_headless_chromium(filled):
     from selenium.webdriver.common.by import By
 

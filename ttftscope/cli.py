@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-connections", type=int, default=256, metavar="N",
                    help="open connections at most; more get 503 (default 256)")
 
+    dr = sub.add_parser("doctor", help="check vLLM, the plugin's adapters, the collector and the store before a "
+                                       "deployment; exit 1 on a problem")
+    _store_arg(dr)
+    dr.add_argument("--no-collector", action="store_true", help="skip the collector reachability check")
+    dr.add_argument("--json", action="store_true")
+
     st = sub.add_parser("store", help="look after the store")
     st_sub = st.add_subparsers(dest="store_command", required=True)
     chk = st_sub.add_parser("check", help="verify the store (manifest, every part read in full); exit 1 on a problem")
@@ -245,6 +251,17 @@ def cmd_collect(a) -> int:
         print(f"ttftscope collect: cannot listen on {a.listen[0]}:{a.listen[1]}: {e.strerror}", file=sys.stderr)
         return 2
     return serve(col)
+
+
+def cmd_doctor(a) -> int:
+    import json
+    from dataclasses import asdict
+
+    from ttftscope.doctor import render, run_checks
+
+    checks = run_checks(a.store, check_collector=not a.no_collector)
+    print(json.dumps([asdict(c) for c in checks], indent=2) if a.json else render(checks))
+    return 1 if any(c.status == "problem" for c in checks) else 0
 
 
 def cmd_store(a) -> int:
@@ -566,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
             "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
-            "grafana": cmd_grafana, "ui": cmd_ui, "store": cmd_store, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)
+            "grafana": cmd_grafana, "ui": cmd_ui, "store": cmd_store, "doctor": cmd_doctor, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""The plugin's configuration, read once from the environment (``PluginConfig.from_env``).
+
+ttftscope's own variables first, then the standard OpenTelemetry ones where they apply:
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` for the endpoint,
+``OTEL_TRACES_SAMPLER`` (+ ``_ARG``) for head sampling, ``OTEL_BSP_*`` for the export
+queue, batch, interval and timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"
+_OFF = ("0", "false", "no", "off")
+
+
+def _float(env: Mapping[str, str], key: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
+    try:
+        v = float(env.get(key, default))
+    except ValueError:
+        return default
+    if lo is not None:
+        v = max(v, lo)
+    if hi is not None:
+        v = min(v, hi)
+    return v
+
+
+def _sample_ratio(env: Mapping[str, str]) -> tuple[float, str]:
+    """(ratio, where it came from): TTFTSCOPE_SAMPLE_RATIO, else OTEL_TRACES_SAMPLER."""
+    if "TTFTSCOPE_SAMPLE_RATIO" in env:
+        return _float(env, "TTFTSCOPE_SAMPLE_RATIO", 1.0, 0.0, 1.0), "TTFTSCOPE_SAMPLE_RATIO"
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if sampler in ("always_off", "parentbased_always_off"):
+        return 0.0, f"OTEL_TRACES_SAMPLER={sampler}"
+    if sampler in ("traceidratio", "parentbased_traceidratio"):
+        return _float(env, "OTEL_TRACES_SAMPLER_ARG", 1.0, 0.0, 1.0), f"OTEL_TRACES_SAMPLER={sampler}"
+    return 1.0, "default"
+
+
+def _endpoint(env: Mapping[str, str]) -> str:
+    if v := env.get("TTFTSCOPE_ENDPOINT"):
+        return v
+    if v := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return v
+    if v := env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return v.rstrip("/") + "/v1/traces"
+    return DEFAULT_ENDPOINT
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    enabled: bool = True
+    endpoint: str = DEFAULT_ENDPOINT
+    #: head sampling of requests (a client's sampled traceparent flag wins)
+    sample_ratio: float = 1.0
+    sample_source: str = "default"
+    run: str | None = None
+    #: every N-th worker step under torch.profiler (0 = off): collectives in compiled code
+    profile_every: int = 0
+    #: TTFTSCOPE_SELF_TIMING: a directory for the plugin's own cost per process
+    self_timing_dir: str | None = None
+    #: OTEL_BSP_*: export queue (spans), batch, interval, timeout
+    max_queue: int = 8192
+    max_batch: int = 512
+    interval_s: float = 0.5
+    export_timeout_s: float = 2.0
+    #: adapters switched off by name (TTFTSCOPE_DISABLE=a,b)
+    disabled: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
+        env = os.environ if env is None else env
+        ratio, source = _sample_ratio(env)
+        try:
+            profile_every = max(int(env.get("TTFTSCOPE_PROFILE_EVERY", "0")), 0)
+        except ValueError:
+            profile_every = 0
+        return cls(
+            enabled=env.get("TTFTSCOPE_ENABLED", "1").strip().lower() not in _OFF,
+            endpoint=_endpoint(env),
+            sample_ratio=ratio,
+            sample_source=source,
+            run=env.get("TTFTSCOPE_RUN") or None,
+            profile_every=profile_every,
+            self_timing_dir=env.get("TTFTSCOPE_SELF_TIMING") or None,
+            max_queue=int(_float(env, "OTEL_BSP_MAX_QUEUE_SIZE", 8192, 64)),
+            max_batch=int(_float(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, 1)),
+            interval_s=_float(env, "OTEL_BSP_SCHEDULE_DELAY", 500, 10) / 1000,
+            export_timeout_s=_float(env, "OTEL_BSP_EXPORT_TIMEOUT", 2000, 100) / 1000,
+            disabled=frozenset(x.strip() for x in env.get("TTFTSCOPE_DISABLE", "").split(",") if x.strip()),
+        )

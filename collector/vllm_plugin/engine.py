@@ -1,0 +1,260 @@
+"""Engine-core adapters: ``queue`` (queued -> first scheduled), one ``prefill`` span per
+chunk, one ``step`` span per engine step (runs of decode-only steps merged), and the engine's
+cold start (ready once the KV cache is allocated)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
+
+from .adapters import Internal, adapter
+from .coldstart import emit_process_ready
+from .runtime import at_exit, ext_id, guard, log, sampled, span
+
+ENGINE = {ProcessRole.ENGINE_CORE.value, ProcessRole.OTHER.value}
+_SCHED = "vllm.v1.core.sched.scheduler"
+_REQ = "vllm.v1.request"
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One request's prompt tokens computed in one step."""
+
+    req_id: str
+    tokens: int
+    cached: int
+    index: int
+    trace_headers: dict
+    request_id: str
+    prefix_hash: str
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """What schedule() decided, until update_from_output() closes the step."""
+
+    step: int
+    t0: float
+    t1: float
+    chunks: list[Chunk]
+    batch: int
+    running: int
+    waiting: int
+    total_tokens: int
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """Consecutive decode-only steps with nobody waiting, merged into one span."""
+
+    start: float
+    end: float
+    steps: int
+    decode_tokens: int
+    running: int
+    first: int
+    last: int
+
+
+@dataclass
+class EngineState:
+    step: int = 0
+    queued: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    pending: OrderedDict[int, PendingStep] = field(default_factory=OrderedDict)
+    chunks: dict[str, int] = field(default_factory=dict)
+    engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    decode_run: DecodeRun | None = None
+
+
+ST = EngineState()
+
+
+@adapter("scheduler", roles=ENGINE, what="queue, prefill chunks (tokens computed / from the prefix cache) and steps",
+         internals=[Internal(_SCHED, "Scheduler.add_request"), Internal(_SCHED, "Scheduler.schedule"),
+                    Internal(_SCHED, "Scheduler.update_from_output"),
+                    Internal(_SCHED, "Scheduler.requests", "attribute"),
+                    Internal(_SCHED, "Scheduler.running", "attribute"),
+                    Internal(_SCHED, "Scheduler.waiting", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "NewRequestData.req_id", "attribute"),
+                    Internal(_REQ, "Request.request_id", "attribute"),
+                    Internal(_REQ, "Request.trace_headers", "attribute"),
+                    Internal(_REQ, "Request.num_computed_tokens", "attribute"),
+                    Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
+                    Internal(_REQ, "Request.prompt_token_ids", "attribute"),
+                    Internal(_REQ, "Request.priority", "attribute"),
+                    Internal(_REQ, "Request.prefill_stats", "attribute"),
+                    Internal("vllm.v1.metrics.stats", "PrefillStats.num_cached_tokens", "attribute")])
+def _install_scheduler() -> None:
+    from vllm.v1.core.sched import scheduler as sched
+
+    def flush_idle() -> None:  # a run of decode steps ends when the engine goes idle, too
+        while True:
+            time.sleep(0.25)
+            try:
+                flush_decode_run(ST, idle_s=0.25)
+            except Exception:  # noqa: BLE001
+                log.exception("ttftscope: idle flush failed")
+                return
+
+    threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
+    at_exit(lambda: flush_decode_run(ST))
+    S = sched.Scheduler
+    orig_add, orig_schedule, orig_update = S.add_request, S.schedule, S.update_from_output
+
+    @functools.wraps(orig_add)
+    def add_request(self, request):
+        _on_add(ST, request)
+        return orig_add(self, request)
+
+    @functools.wraps(orig_schedule)
+    def schedule(self, *a, **kw):
+        t0 = time.time()
+        out = orig_schedule(self, *a, **kw)
+        _on_schedule(ST, self, out, t0, time.time())
+        return out
+
+    @functools.wraps(orig_update)
+    def update_from_output(self, scheduler_output, *a, **kw):
+        _on_step_done(ST, self, scheduler_output, time.time())
+        return orig_update(self, scheduler_output, *a, **kw)
+
+    S.add_request, S.schedule, S.update_from_output = add_request, schedule, update_from_output
+
+
+@adapter("engine-ready", roles=ENGINE, what="the engine core's cold start (process start -> KV cache allocated)",
+         internals=[Internal("vllm.v1.engine.core", "EngineCore._initialize_kv_caches")])
+def _install_engine_ready() -> None:
+    # the plugin runs inside EngineCore.__init__, before it allocates the KV cache: the
+    # end of that allocation is when the engine can serve
+    from vllm.v1.engine import core
+
+    orig_kv = core.EngineCore._initialize_kv_caches
+
+    @functools.wraps(orig_kv)
+    def init_kv(self, *a, **kw):
+        r = orig_kv(self, *a, **kw)
+        emit_process_ready("engine_core")
+        return r
+
+    core.EngineCore._initialize_kv_caches = init_kv
+
+
+@guard("add_request")
+def _on_add(st: EngineState, request) -> None:
+    if not sampled(request.trace_headers):
+        return
+    with st.lock:
+        st.queued[request.request_id] = time.time()
+        while len(st.queued) > 100_000:  # bounded even if requests vanish
+            st.queued.popitem(last=False)
+
+
+def _cached_tokens(req, before: int, index: int) -> int:
+    """Prompt tokens of this request that came from the prefix cache (first chunk only).
+    vLLM's own PrefillStats (set when the request is first scheduled) when present; else
+    what was already computed when the first chunk was scheduled (the cache hits)."""
+    if index:
+        return 0
+    ps = req.prefill_stats
+    if ps is not None and ps.num_prompt_tokens:
+        return ps.num_cached_tokens
+    return max(before, 0)
+
+
+@guard("schedule")
+def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
+    with st.lock:
+        st.step += 1
+        step = st.step
+    try:
+        object.__setattr__(out, "_ttftscope_step", step)
+    except Exception:  # noqa: BLE001
+        pass
+    chunks = []
+    for req_id, n in out.num_scheduled_tokens.items():
+        req = sched.requests.get(req_id)
+        if req is None or not sampled(req.trace_headers):
+            continue
+        before = req.num_computed_tokens - n  # schedule() already advanced it
+        if before < req.num_prompt_tokens:  # a prefill chunk
+            idx = st.chunks.get(req_id, 0)
+            st.chunks[req_id] = idx + 1
+            phash = ""
+            if idx == 0:
+                toks = req.prompt_token_ids
+                if toks is not None and len(toks) >= 64:
+                    phash = format(hash(tuple(toks[:64])) & 0xFFFFFFFFFFFF, "x")  # same process, same hash seed
+            chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers, ext_id(req), phash))
+    for nr in out.scheduled_new_reqs or []:
+        req = sched.requests.get(nr.req_id)
+        with st.lock:
+            q = st.queued.pop(nr.req_id, None)
+        if q is not None and req is not None:
+            span(SpanName.QUEUE, q, t0, {Attr.REQUEST_ID: ext_id(req), Attr.PHASE: "queue",
+                                         Attr.PRIORITY: str(req.priority)}, req.trace_headers)
+    with st.lock:
+        st.pending[id(out)] = PendingStep(step, t0, t1, chunks, len(out.num_scheduled_tokens), len(sched.running),
+                                          len(sched.waiting), out.total_num_scheduled_tokens)
+        while len(st.pending) > 64:
+            st.pending.popitem(last=False)
+
+
+@guard("step")
+def _on_step_done(st: EngineState, sched, out, t_end: float) -> None:
+    with st.lock:
+        p = st.pending.pop(id(out), None)
+    if p is None:
+        return
+    prefill_tokens = sum(c.tokens for c in p.chunks)
+    for c in p.chunks:
+        attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: "prefill", Attr.STEP: p.step, Attr.CHUNK: c.index,
+                 Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached, Attr.BATCH_SIZE: p.batch,
+                 Attr.ENGINE: st.engine}
+        if c.prefix_hash:
+            attrs[Attr.PREFIX_HASH] = c.prefix_hash
+        span(SpanName.PREFILL, p.t1, t_end, attrs, c.trace_headers)
+        req = sched.requests.get(c.req_id)
+        if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
+            st.chunks.pop(c.req_id, None)
+    if not p.total_tokens:
+        return
+    decode = max(p.total_tokens - prefill_tokens, 0)
+    if prefill_tokens == 0 and p.waiting == 0:
+        # decode-only steps with nobody waiting cannot delay a first token: merge runs of them
+        # into one span (the timeline stays continuous at a fraction of the cost)
+        with st.lock:
+            r = st.decode_run
+            if r is None:
+                st.decode_run = r = DecodeRun(p.t0, t_end, 1, decode, p.running, p.step, p.step)
+            else:
+                r.end, r.steps, r.decode_tokens, r.running, r.last = (t_end, r.steps + 1, r.decode_tokens + decode,
+                                                                       max(r.running, p.running), p.step)
+            full = r.steps >= 512 or t_end - r.start > 1.0
+        if full:
+            flush_decode_run(st)
+        return
+    flush_decode_run(st)
+    span(SpanName.STEP, p.t0, t_end, {
+        Attr.STEP: p.step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: decode,
+        Attr.RUNNING: p.running, Attr.WAITING: p.waiting, Attr.BATCH_SIZE: p.batch, Attr.ENGINE: st.engine})
+
+
+def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
+    with st.lock:
+        r = st.decode_run
+        if r is None or (idle_s is not None and time.time() - r.end < idle_s):
+            return
+        st.decode_run = None
+    span(SpanName.STEP, r.start, r.end, {
+        Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
+        Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: 0, Attr.ENGINE: st.engine})

@@ -1,0 +1,129 @@
+"""API-server adapters: vLLM's own tracing kept on, one trace per request, ``tokenize``
+(chat template + tokenizer) and ``output`` (first token produced -> handed to the client)."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import time
+
+from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
+
+from .adapters import Internal, adapter
+from .runtime import MONO_TO_WALL, RT, guard, log, new_traceparent, sampled, span
+
+FRONTEND = {ProcessRole.API_SERVER.value, ProcessRole.OTHER.value}
+
+_RENDER: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("ttftscope_render", default=None)
+
+
+@adapter("vllm-tracing", roles=FRONTEND, what="keeps vLLM's own tracing (llm_request, start-up spans) on, "
+         "pointed at the collector",
+         internals=[Internal("vllm.v1.engine.async_llm", "AsyncLLM.__init__"),
+                    Internal("vllm.config.observability", "ObservabilityConfig.otlp_traces_endpoint", "attribute")])
+def _install_vllm_tracing() -> None:
+    from vllm.v1.engine import async_llm
+
+    endpoint = RT.config.endpoint
+    orig_init = async_llm.AsyncLLM.__init__
+
+    @functools.wraps(orig_init)
+    def init(self, vllm_config, *a, **kw):
+        try:
+            oc = vllm_config.observability_config
+            if oc.otlp_traces_endpoint is None:
+                object.__setattr__(oc, "otlp_traces_endpoint", endpoint)
+        except Exception:  # noqa: BLE001
+            log.exception("ttftscope: could not enable vLLM tracing")
+        return orig_init(self, vllm_config, *a, **kw)
+
+    async_llm.AsyncLLM.__init__ = init
+
+
+@adapter("render-timing", roles=FRONTEND, what="times rendering (chat template + tokenizer) per request task",
+         internals=[Internal("vllm.renderers.base", "BaseRenderer.render_chat_async"),
+                    Internal("vllm.renderers.base", "BaseRenderer.render_cmpl_async")])
+def _install_render_timing() -> None:
+    from vllm.renderers.base import BaseRenderer
+
+    def make(orig):
+        @functools.wraps(orig)
+        async def timed(self, *a, **kw):
+            t0 = time.time()
+            try:
+                return await orig(self, *a, **kw)
+            finally:
+                _RENDER.set((t0, time.time()))
+        return timed
+
+    for meth in ("render_chat_async", "render_cmpl_async"):
+        setattr(BaseRenderer, meth, make(getattr(BaseRenderer, meth)))
+
+
+@adapter("trace-context", roles=FRONTEND, what="one trace per request (the client's traceparent, else a new "
+         "one with the head-sampling decision); emits ttftscope.tokenize",
+         internals=[Internal("vllm.entrypoints.serve.engine.serving", "BaseServing._get_trace_headers")])
+def _install_trace_context() -> None:
+    from vllm.entrypoints.serve.engine import serving
+
+    orig_headers = serving.BaseServing._get_trace_headers
+
+    @functools.wraps(orig_headers)
+    async def get_trace_headers(self, headers):
+        th = await orig_headers(self, headers)
+        try:
+            if not th or "traceparent" not in th:
+                th = {**(th or {}), "traceparent": new_traceparent()}
+            _emit_tokenize(th)
+        except Exception:  # noqa: BLE001
+            log.exception("ttftscope: trace header hook failed")
+        return th
+
+    serving.BaseServing._get_trace_headers = get_trace_headers
+
+
+@guard("tokenize")
+def _emit_tokenize(trace_headers) -> None:
+    r = _RENDER.get()
+    if r is None or not sampled(trace_headers):
+        return
+    _RENDER.set(None)
+    span(SpanName.TOKENIZE, r[0], r[1], {Attr.PHASE: "tokenize"}, trace_headers)
+
+
+@adapter("output", roles=FRONTEND, what="ttftscope.output per request; keeps vLLM's tracing from asserting "
+         "when stats are off",
+         internals=[Internal("vllm.v1.engine.output_processor", "OutputProcessor.do_tracing"),
+                    Internal("vllm.v1.engine.output_processor", "RequestState.stats", "attribute"),
+                    Internal("vllm.v1.engine.output_processor", "RequestState.external_req_id", "attribute"),
+                    Internal("vllm.v1.engine", "EngineCoreOutput.trace_headers", "attribute"),
+                    Internal("vllm.v1.metrics.stats", "RequestStateStats.first_token_ts", "attribute"),
+                    Internal("vllm.v1.metrics.stats", "RequestStateStats.arrival_time", "attribute"),
+                    Internal("vllm.v1.metrics.stats", "RequestStateStats.first_token_latency", "attribute")])
+def _install_output() -> None:
+    from vllm.v1.engine import output_processor as op
+
+    orig_trace = op.OutputProcessor.do_tracing
+
+    @functools.wraps(orig_trace)
+    def do_tracing(self, engine_core_output, req_state, iteration_stats):
+        if req_state.stats is None or iteration_stats is None:
+            return None  # stats off (--disable-log-stats): vLLM would assert here
+        _emit_output(engine_core_output, req_state)
+        return orig_trace(self, engine_core_output, req_state, iteration_stats)
+
+    op.OutputProcessor.do_tracing = do_tracing
+
+
+@guard("output")
+def _emit_output(engine_core_output, req_state) -> None:
+    th = engine_core_output.trace_headers
+    if not sampled(th):
+        return
+    m = req_state.stats
+    if not m.first_token_ts:
+        return
+    produced = m.first_token_ts + MONO_TO_WALL  # engine clock (monotonic) -> wall, same host
+    delivered = m.arrival_time + m.first_token_latency
+    span(SpanName.OUTPUT, min(produced, delivered), delivered,
+         {Attr.REQUEST_ID: req_state.external_req_id, Attr.PHASE: "output"}, th)

@@ -1,0 +1,190 @@
+"""What every adapter of one process shares: its configuration, the span sink, the guard
+that keeps a failing hook away from vLLM, sampling, and the plugin's own cost accounting."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ttftscope.schemas.vocabulary import VOCABULARY_VERSION, Attr, ResourceAttr
+
+from .config import PluginConfig
+
+log = logging.getLogger("vllm.ttftscope")
+
+MONO_TO_WALL = time.time() - time.monotonic()  # engine timestamps are monotonic; same host
+
+
+@dataclass
+class Runtime:
+    """The plugin's state in this process (one instance, ``RT``)."""
+
+    config: PluginConfig
+    role: str | None = None
+    registered: bool = False
+    registered_at: float = 0.0
+    tracer: Any = None
+    provider: Any = None
+    processor: Any = None
+    deferred: Any = None
+    exited: bool = False
+    hooks_s: float = 0.0
+    hook_calls: int = 0
+
+
+RT = Runtime(PluginConfig.from_env())  # configuration is read once, at import
+
+
+def guard(name: str):
+    """Decorator for hook bodies: any exception disables that hook, logged once."""
+    def deco(fn):
+        broken = [False]
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            if broken[0]:
+                return None
+            try:
+                return fn(*a, **kw)
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server
+                broken[0] = True
+                log.exception("ttftscope: hook %s failed and is now disabled", name)
+                return None
+
+        if not RT.config.self_timing_dir:
+            return wrapper
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return wrapper(*a, **kw)
+            finally:
+                RT.hooks_s += time.perf_counter() - t
+                RT.hook_calls += 1
+        return timed
+    return deco
+
+
+def span(name: str, start_s: float, end_s: float, attrs: dict, parent=None) -> None:
+    """Record a finished span (an O(1) append; the export thread builds and encodes it).
+    ``parent``: the request's trace headers, an OpenTelemetry Context, or None."""
+    d = RT.deferred
+    if d is not None:
+        d.add(name, start_s, end_s, attrs, parent)
+
+
+def sampled(trace_headers) -> bool:
+    tp = (trace_headers or {}).get("traceparent", "")
+    return len(tp) >= 55 and tp[-2:] != "00"
+
+
+def new_traceparent() -> str:
+    flags = "01" if random.random() < RT.config.sample_ratio else "00"
+    return f"00-{random.getrandbits(128):032x}-{random.getrandbits(64) or 1:016x}-{flags}"
+
+
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def ext_id(req) -> str:
+    """The request id the client and the API server see (the engine adds a random suffix)."""
+    ext = getattr(req, "external_req_id", None)  # not on every vLLM request object: optional
+    return ext or _INTERNAL_SUFFIX.sub("", req.request_id)
+
+
+def setup_otel(role: str) -> None:
+    """OTLP/HTTP to the collector for this process; vLLM's own spans share the pipeline."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from ..otel_setup import BoundedBatchSpanProcessor, DeferredSpans
+
+    cfg = RT.config
+    # vLLM's own tracing exports with these: make it speak OTLP/HTTP to the same endpoint
+    os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", cfg.endpoint)
+    os.environ.setdefault("OTEL_SERVICE_NAME", "vllm")
+    attrs = {
+        ResourceAttr.ROLE: role,
+        ResourceAttr.PROCESS_PID: os.getpid(),
+        ResourceAttr.SERVICE_INSTANCE: f"{role}-{os.getpid()}",
+        Attr.SCHEMA_VERSION: VOCABULARY_VERSION,
+    }
+    if cfg.run:
+        attrs[ResourceAttr.RUN] = cfg.run
+    resource = Resource.create(attrs)
+    provider = TracerProvider(resource=resource)
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.endpoint, timeout=cfg.export_timeout_s),
+                                     max_queue=cfg.max_queue, max_batch=cfg.max_batch, interval_s=cfg.interval_s)
+    provider.add_span_processor(proc)
+    if not hasattr(trace.get_tracer_provider(), "add_span_processor"):
+        # no SDK provider yet: ours becomes the global one, so vLLM's own spans
+        # (llm_request, start-up) flow through the same bounded pipeline
+        trace.set_tracer_provider(provider)
+    tracer = provider.get_tracer("ttftscope.vllm", "0.1.0")
+    deferred = DeferredSpans(tracer, resource, max_queue=cfg.max_queue, max_batch=cfg.max_batch)
+    proc.add_source(deferred)
+    RT.tracer, RT.processor, RT.provider, RT.deferred = tracer, proc, provider, deferred
+    import atexit
+    from multiprocessing import util as mp_util
+
+    # vLLM's engine core and workers are multiprocessing children: a forked child leaves
+    # through os._exit, which skips atexit but runs multiprocessing's finalizers
+    atexit.register(on_exit)
+    mp_util.Finalize(None, on_exit, exitpriority=100)
+
+
+_EXIT_HOOKS: list = []
+
+
+def at_exit(fn) -> None:
+    """Run ``fn`` before the last export at process exit (e.g. an open run of steps)."""
+    _EXIT_HOOKS.append(fn)
+
+
+def on_exit() -> None:
+    if RT.exited:
+        return
+    RT.exited = True
+    for fn in _EXIT_HOOKS:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    try:
+        if RT.processor is not None:
+            RT.processor.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def self_timing_writer(role: str) -> None:
+    """TTFTSCOPE_SELF_TIMING: the plugin's own cost in this process, written every second."""
+    out = Path(RT.config.self_timing_dir) / f"{role}-{os.getpid()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        proc = RT.processor
+        doc = {"role": role, "pid": os.getpid(), "wall": time.time(), "process_cpu_s": time.process_time(),
+               "hooks_s": RT.hooks_s, "hook_calls": RT.hook_calls,
+               "export_cpu_s": getattr(proc, "cpu_s", 0.0), "exported": getattr(proc, "exported", 0)}
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, out)
+        time.sleep(1.0)
+
+
+def start_self_timing(role: str) -> None:
+    if RT.config.self_timing_dir:
+        threading.Thread(target=self_timing_writer, args=(role,), name="ttftscope-self-timing", daemon=True).start()

@@ -1,0 +1,304 @@
+"""Worker adapters: per-step ``allreduce`` spans (rank, count, bytes, time), sampled
+``allreduce.call`` spans from torch.profiler windows, and the worker's cold start.
+
+No Python of ours runs inside compiled or graph-captured code. vLLM compiles the model with
+torch.compile by default (CPU and GPU) and captures CUDA graphs on the GPU: a Python wrapper
+around the communicator's ``all_reduce`` would be traced by dynamo ("Attempted to call
+function marked as skipped": vLLM's compiled TP start-up dies). So the per-call collective
+timing is installed only when the worker's own configuration says the model runs eagerly
+(``CompilationConfig.mode == NONE`` and no CUDA graphs), decided when the model is loaded,
+before anything is compiled. Otherwise collectives are seen through the sampled
+torch.profiler windows (``TTFTSCOPE_PROFILE_EVERY``), which wrap a whole step from outside.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
+
+from .adapters import Internal, adapter
+from .coldstart import emit_process_ready
+from .runtime import RT, guard, log, span
+
+WORKER = {ProcessRole.WORKER.value, ProcessRole.OTHER.value}
+_GPU_WORKER = "vllm.v1.worker.gpu_worker"
+_CPU_COMM = "vllm.distributed.device_communicators.cpu_communicator"
+_CUDA_COMM = "vllm.distributed.device_communicators.cuda_communicator"
+
+
+@dataclass
+class WorkerState:
+    count: int = 0
+    bytes: int = 0
+    time: float = 0.0
+    first: float | None = None
+    step: int | None = None
+    rank: int | None = None
+    tp: int = 1
+    engine: str = field(default_factory=lambda: f"engine-{os.getppid()}")  # the engine core that spawned us
+    eager: bool | None = None  # decided at load_model, from the worker's compilation config
+    cuda_pending: list = field(default_factory=list)
+    calls: int = 0  # execute_model calls, for the sampled profiler windows
+    profile_every: int = 0
+
+
+WS = WorkerState()
+
+
+def model_runs_eagerly(vllm_config) -> bool:
+    """True when vLLM runs the model without torch.compile and without CUDA graphs."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    cc = vllm_config.compilation_config
+    if cc.mode != CompilationMode.NONE:
+        return False
+    return cc.cudagraph_mode in (None, CUDAGraphMode.NONE)
+
+
+@adapter("collectives-eager", roles=WORKER,
+         what="per-call collective timing (CPU: shm/gloo; CUDA: events read without syncing), only when the "
+              "model runs eagerly (no torch.compile, no CUDA graphs); decided when the model is loaded",
+         internals=[Internal(_GPU_WORKER, "Worker.load_model"),
+                    Internal("vllm.v1.worker.worker_base", "WorkerBase.vllm_config", "attribute"),
+                    Internal("vllm.config.compilation", "CompilationConfig.mode", "attribute"),
+                    Internal("vllm.config.compilation", "CompilationConfig.cudagraph_mode", "attribute"),
+                    Internal("vllm.config.compilation", "CompilationMode.NONE", "attribute"),
+                    Internal("vllm.config.compilation", "CUDAGraphMode.NONE", "attribute"),
+                    Internal(_CPU_COMM, "CpuCommunicator.all_reduce")])
+def _install_collectives_eager() -> None:
+    from vllm.v1.worker import gpu_worker
+
+    orig_load = gpu_worker.Worker.load_model
+
+    @functools.wraps(orig_load)
+    def load_model(self, *a, **kw):
+        _decide_eager(self)
+        return orig_load(self, *a, **kw)
+
+    gpu_worker.Worker.load_model = load_model
+
+
+@guard("decide_eager")
+def _decide_eager(worker) -> None:
+    if WS.eager is not None:
+        return
+    WS.eager = model_runs_eagerly(worker.vllm_config)
+    if not WS.eager:
+        log.info("ttftscope: the model is compiled; collectives are seen through sampled profiler windows "
+                 "(TTFTSCOPE_PROFILE_EVERY), never by a wrapper inside the compiled graph")
+        return
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    orig_ar = cc.CpuCommunicator.all_reduce
+
+    @functools.wraps(orig_ar)
+    def all_reduce(self, input_):
+        t = time.perf_counter()
+        w = time.time()
+        out = orig_ar(self, input_)
+        _on_allreduce(WS, input_, w, time.perf_counter() - t)
+        return out
+
+    cc.CpuCommunicator.all_reduce = all_reduce
+    _install_cuda_allreduce_eager()
+
+
+def _install_cuda_allreduce_eager() -> None:
+    """Per-call collective timing on CUDA (eager only: no graphs to break)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        from vllm.distributed.device_communicators import cuda_communicator as cu
+    except Exception:  # noqa: BLE001
+        return
+    orig = cu.CudaCommunicator.all_reduce
+
+    @functools.wraps(orig)
+    def all_reduce(self, input_, *a, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            return orig(self, input_, *a, **kw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = orig(self, input_, *a, **kw)
+        end.record()
+        WS.cuda_pending.append((start, end, time.time(), int(input_.numel() * input_.element_size())))
+        return out
+
+    cu.CudaCommunicator.all_reduce = all_reduce
+
+
+@adapter("worker-steps", roles=WORKER,
+         what="per-step allreduce spans and the sampled torch.profiler windows (TTFTSCOPE_PROFILE_EVERY)",
+         internals=[Internal(_GPU_WORKER, "Worker.execute_model"),
+                    Internal("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank"),
+                    Internal("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size")])
+def _install_worker_steps() -> None:
+    from vllm.v1.worker import gpu_worker
+
+    WS.profile_every = RT.config.profile_every
+    orig = gpu_worker.Worker.execute_model  # CPUWorker inherits it
+
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *a, **kw):
+        _on_exec_start(WS, scheduler_output)
+        try:
+            if _profile_now(WS):
+                return _profiled(WS, orig, self, scheduler_output, *a, **kw)
+            return orig(self, scheduler_output, *a, **kw)
+        finally:
+            _on_exec_end(WS)
+
+    gpu_worker.Worker.execute_model = execute_model
+
+
+@adapter("worker-ready", roles=WORKER, what="the worker's cold start (process start -> warm-up/compile done)",
+         internals=[Internal(_GPU_WORKER, "Worker.compile_or_warm_up_model"),
+                    Internal("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model")])
+def _install_worker_ready() -> None:
+    from vllm.v1.worker import cpu_worker, gpu_worker
+
+    for cls in (gpu_worker.Worker, cpu_worker.CPUWorker):
+        if "compile_or_warm_up_model" not in vars(cls):
+            continue
+        orig_ready = vars(cls)["compile_or_warm_up_model"]
+
+        def make(orig_ready):
+            @functools.wraps(orig_ready)
+            def wrapped(self, *a, **kw):
+                r = orig_ready(self, *a, **kw)
+                emit_process_ready("worker", WS.rank)
+                return r
+            return wrapped
+
+        cls.compile_or_warm_up_model = make(orig_ready)
+
+
+@guard("profile_now")
+def _profile_now(ws: WorkerState) -> bool:
+    """Every TTFTSCOPE_PROFILE_EVERY-th step runs under torch.profiler (off by default)."""
+    if not ws.profile_every:
+        return False
+    ws.calls += 1
+    return ws.calls % ws.profile_every == 0
+
+
+def _profiled(ws: WorkerState, orig, *args, **kw):
+    """One step under torch.profiler: the collectives it records become sampled
+    ``allreduce.call`` spans. This is how collectives inside CUDA graphs or compiled code
+    (where no Python hook runs) are seen; the profile is parsed on a background thread.
+    Any profiler failure turns sampling off and the step runs as usual."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        prof = profile(activities=acts)
+        prof.__enter__()
+    except Exception:  # noqa: BLE001
+        ws.profile_every = 0
+        log.exception("ttftscope: torch.profiler unavailable; sampled collective windows are off")
+        return orig(*args, **kw)
+    wall0 = time.time()
+    try:
+        return orig(*args, **kw)
+    finally:
+        try:
+            prof.__exit__(None, None, None)
+            threading.Thread(target=_emit_profiled_collectives, name="ttftscope-profile",
+                             args=(prof, wall0, ws.step, ws.rank, ws.tp, ws.engine, bool(ws.eager)),
+                             daemon=True).start()
+        except Exception:  # noqa: BLE001
+            ws.profile_every = 0
+            log.exception("ttftscope: profiler window failed; sampled collective windows are off")
+
+
+def _is_collective(name: str) -> bool:
+    n = name.lower()
+    return "allreduce" in n or "all_reduce" in n
+
+
+@guard("profiled_collectives")
+def _emit_profiled_collectives(prof, wall0: float, step, rank, tp, engine: str, hooked: bool) -> None:
+    evts = prof.events()
+    if not evts:
+        return
+    t_first = min(e.time_range.start for e in evts)  # the step's first recorded op ~ wall0
+    found = [e for e in evts if _is_collective(e.name)]
+    device = [e for e in found if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    if device:  # kernels on the GPU: their time is the collective's
+        calls = device
+    else:  # CPU ops: the outermost collective op of each nest
+        def nested(e) -> bool:
+            p = e.cpu_parent
+            while p is not None:
+                if _is_collective(p.name):
+                    return True
+                p = p.cpu_parent
+            return False
+        calls = [e for e in found if not nested(e)]
+    step = step if step is not None else -1
+    total, first = 0.0, None
+    for e in calls:
+        start = wall0 + (e.time_range.start - t_first) / 1e6
+        dur = (e.time_range.end - e.time_range.start) / 1e6
+        total += dur
+        first = start if first is None else min(first, start)
+        span(SpanName.ALLREDUCE_CALL, start, start + dur, {
+            Attr.STEP: step, Attr.RANK: rank, Attr.TP_SIZE: tp, Attr.SAMPLED: True,
+            Attr.PHASE: "allreduce", Attr.COLLECTIVE: e.name, Attr.ENGINE: engine})
+    if calls and not hooked:  # compiled model: no per-call hook, the window is the step's only measure
+        span(SpanName.ALLREDUCE, first, first + total, {
+            Attr.STEP: step, Attr.RANK: rank, Attr.TP_SIZE: tp, Attr.ALLREDUCE_COUNT: len(calls),
+            Attr.SAMPLED: True, Attr.PHASE: "allreduce", Attr.ENGINE: engine})
+
+
+@guard("allreduce")
+def _on_allreduce(ws: WorkerState, input_, wall: float, dt: float) -> None:
+    ws.count += 1
+    ws.bytes += int(input_.numel() * input_.element_size())
+    ws.time += dt
+    if ws.first is None:
+        ws.first = wall
+
+
+@guard("exec_start")
+def _on_exec_start(ws: WorkerState, scheduler_output) -> None:
+    ws.count, ws.bytes, ws.time, ws.first = 0, 0, 0.0, None
+    ws.step = getattr(scheduler_output, "_ttftscope_step", None)  # ours, set by the engine adapter
+    if ws.rank is None:
+        from vllm.distributed import parallel_state as ps
+
+        try:
+            ws.rank = ps.get_tensor_model_parallel_rank()
+            ws.tp = ps.get_tensor_model_parallel_world_size()
+        except AssertionError:  # no TP group (e.g. an offline engine without one)
+            ws.rank, ws.tp = 0, 1
+
+
+@guard("exec_end")
+def _on_exec_end(ws: WorkerState) -> None:
+    # CUDA (eager only): read finished events without synchronising
+    if ws.cuda_pending:
+        still = []
+        for e in ws.cuda_pending:
+            if not e[1].query():
+                still.append(e)
+                continue
+            ws.count += 1
+            ws.bytes += e[3]
+            ws.time += e[0].elapsed_time(e[1]) / 1e3
+            ws.first = ws.first or e[2]
+        ws.cuda_pending = still[-1024:]
+    if ws.count == 0 or ws.first is None:
+        return
+    span(SpanName.ALLREDUCE, ws.first, ws.first + ws.time, {
+        Attr.STEP: ws.step if ws.step is not None else -1, Attr.RANK: ws.rank, Attr.TP_SIZE: ws.tp,
+        Attr.ALLREDUCE_COUNT: ws.count, Attr.ALLREDUCE_BYTES: ws.bytes, Attr.PHASE: "allreduce",
+        Attr.ENGINE: ws.engine})

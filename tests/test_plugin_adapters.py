@@ -1,0 +1,111 @@
+"""The plugin's adapters against the installed vLLM (no server): every internal they touch
+exists, a missing one disables only its adapter with a warning naming it, the eager/compiled
+decision reads vLLM's own config, configuration honours the OTEL_* variables, and
+`ttftscope doctor` reports all of it."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+from conftest import PY, ROOT
+from ttftscope.collector.vllm_plugin import adapters as ad
+from ttftscope.collector.vllm_plugin.config import PluginConfig
+
+
+def test_every_adapter_finds_every_vllm_internal_it_touches():
+    checked = ad.check_all()
+    assert len(checked) >= 8
+    bad = {a.name: a.problems for a in checked if a.problems}
+    assert not bad, bad
+    assert ad.version_known(ad.vllm_version()), ad.vllm_version()
+
+
+@pytest.mark.parametrize("internal,missing", [
+    (ad.Internal("vllm.v1.request", "Request.num_cached_tokens", "attribute"), True),  # gone in 0.32
+    (ad.Internal("vllm.v1.request", "Request.prefill_stats", "attribute"), False),  # set in __init__
+    (ad.Internal("vllm.v1.metrics.stats", "PrefillStats.num_cached_tokens", "attribute"), False),  # dataclass
+    (ad.Internal("vllm.v1.engine", "EngineCoreOutput.trace_headers", "attribute"), False),  # msgspec field
+    (ad.Internal("vllm.v1.core.sched.scheduler", "Scheduler.no_such_method"), True),
+    (ad.Internal("vllm.no_such_module", "X"), True),
+])
+def test_internal_lookup_tells_present_from_missing(internal, missing):
+    assert (internal.problem() is not None) == missing, internal.problem()
+
+
+def test_a_missing_internal_disables_only_its_adapter_with_one_warning(caplog):
+    calls = []
+    name = "test-missing-internal"
+    ad.ADAPTERS[name] = ad.Adapter(name, frozenset({"test-role"}),
+                                   (ad.Internal("vllm.v1.request", "Request.num_cached_tokens", "attribute"),),
+                                   lambda: calls.append("installed"), "a test adapter")
+    ok = "test-present-internal"
+    ad.ADAPTERS[ok] = ad.Adapter(ok, frozenset({"test-role"}), (ad.Internal("vllm.v1.request", "Request"),),
+                                 lambda: calls.append("ok"), "a test adapter")
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.ttftscope"):
+            got = {a.name: a.state for a in ad.install_for("test-role")}
+        assert got == {name: "disabled", ok: "active"}
+        assert calls == ["ok"], "the broken adapter was never installed"
+        warns = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+        assert len(warns) == 1 and "Request.num_cached_tokens" in warns[0] and "0.32" in warns[0]
+    finally:
+        ad.ADAPTERS.pop(name, None)
+        ad.ADAPTERS.pop(ok, None)
+
+
+def test_eager_or_compiled_is_read_from_vllms_compilation_config():
+    from ttftscope.collector.vllm_plugin.worker import model_runs_eagerly
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    def cfg(mode, graphs):
+        return SimpleNamespace(compilation_config=CompilationConfig(mode=mode, cudagraph_mode=graphs))
+
+    assert model_runs_eagerly(cfg(CompilationMode.NONE, CUDAGraphMode.NONE))
+    assert not model_runs_eagerly(cfg(CompilationMode.VLLM_COMPILE, CUDAGraphMode.NONE))
+    assert not model_runs_eagerly(cfg(CompilationMode.NONE, CUDAGraphMode.PIECEWISE))
+
+
+def test_config_honours_the_standard_otel_variables():
+    c = PluginConfig.from_env({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
+                               "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_MAX_QUEUE_SIZE": "1000",
+                               "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100", "OTEL_BSP_EXPORT_TIMEOUT": "5000",
+                               "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"})
+    assert (c.sample_ratio, c.interval_s, c.max_queue, c.max_batch, c.export_timeout_s) == (0.25, 0.2, 1000, 100, 5.0)
+    assert c.endpoint == "http://c:4318/v1/traces"
+    own = PluginConfig.from_env({"TTFTSCOPE_SAMPLE_RATIO": "0.5", "OTEL_TRACES_SAMPLER": "always_off",
+                                 "TTFTSCOPE_ENDPOINT": "http://x/v1/traces",
+                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://y/v1/traces"})
+    assert (own.sample_ratio, own.endpoint) == (0.5, "http://x/v1/traces")
+    assert PluginConfig.from_env({"OTEL_TRACES_SAMPLER": "always_off"}).sample_ratio == 0.0
+    assert PluginConfig.from_env({"TTFTSCOPE_SAMPLE_RATIO": "junk"}).sample_ratio == 1.0
+    assert not PluginConfig.from_env({"TTFTSCOPE_ENABLED": "off"}).enabled
+    assert PluginConfig.from_env({"TTFTSCOPE_DISABLE": "output, scheduler"}).disabled == {"output", "scheduler"}
+
+
+def _doctor(*args, env=None):
+    import os
+
+    return subprocess.run([PY, "-m", "ttftscope", "doctor", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180, env={**os.environ, **(env or {})})
+
+
+def test_doctor_reports_adapters_collector_and_store(collector_factory, tmp_path):
+    from conftest import free_port
+
+    dead = _doctor("--store", str(tmp_path / "s"), env={"TTFTSCOPE_ENDPOINT": f"http://127.0.0.1:{free_port()}/v1/traces"})
+    assert dead.returncode == 1, dead.stdout
+    assert "unreachable" in dead.stdout and "adapter scheduler" in dead.stdout
+    col = collector_factory().start()
+    r = _doctor("--store", col.store, env={"TTFTSCOPE_ENDPOINT": col.url + "/v1/traces",
+                                           "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    coll = next(ln for ln in r.stdout.splitlines() if ln.startswith("collector"))
+    assert " ok " in coll and "reachable" in coll, coll
+    assert "0.1 of requests (OTEL_TRACES_SAMPLER=traceidratio)" in r.stdout
+    for a in ad.check_all():
+        assert f"adapter {a.name}" in r.stdout
+    assert "PROBLEM" not in r.stdout
+    assert col.terminate() == 0
