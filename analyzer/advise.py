@@ -31,8 +31,17 @@ _ADVICE = {
     "regression": ("A phase regressed between versions: bisect the version change or roll back.",
                    "phase back to the previous version's median"),
     "tokenize_dominates": ("Tokenization dominates the tail: see tokenizer advice.", "shorter tokenize phase"),
-    "output_dominates": ("Output handling dominates: detokenization/streaming overhead; check the API server.",
-                         "shorter output phase"),
+    "deliver_dominates": ("Delivery after the first token dominates: the API server's event loop is busy "
+                          "(detokenization, serialisation, heavy middleware, many streams per process). Add API-server "
+                          "processes (`--api-server-count`), move heavy middleware off the event loop.",
+                          "deliver back to a few ms"),
+    "receive_dominates": ("Receiving and parsing requests dominates: large bodies or slow middleware/auth before "
+                          "rendering; add API-server processes (`--api-server-count`), trim middleware.",
+                          "receive back to under a ms"),
+    "intake_dominates": ("Requests wait for the engine loop: the engine core only takes new requests between "
+                         "steps, and its steps are long. Shorter steps (a smaller `--max-num-batched-tokens`), "
+                         "fewer concurrent long prompts per replica, or more replicas.",
+                         "intake back to the IPC cost (well under a ms)"),
     "load_dominates": ("Requests hit model loading: warm up before taking traffic.", "no cold requests"),
     "prefix_cache_misses": ("Shared prompt prefixes are recomputed: enable prefix caching (`--enable-prefix-caching`), "
                             "and keep the shared part (system prompt) byte-identical at the start of the prompt.",

@@ -40,7 +40,9 @@ def phase_dominance(df: pl.DataFrame, slo: SLO) -> list[dict]:
     p99 = float(df["ttft"].quantile(0.99, "linear")) / 1e6
     slo_broken = p99 > slo.ttft_ms.get("p99", 1e18) or p95 > slo.ttft_ms.get("p95", 1e18)
     out = []
-    names = {"queue": "queue wait", "tokenize": "tokenization", "output": "output handling", "load": "model loading"}
+    names = {"queue": "queue wait", "tokenize": "tokenization", "deliver": "delivery after the first token (API server)",
+             "receive": "receiving and parsing requests (API server)",
+             "intake": "waiting for the engine loop (intake)", "load": "model loading"}
     for phase, label in names.items():
         share = tail["share"][phase]
         sev = "high" if share >= 0.5 and slo_broken else "medium" if share >= 0.3 else "low" if share >= 0.15 else None
@@ -72,7 +74,7 @@ def host_gaps(df: pl.DataFrame) -> list[dict]:
     share = tail["share"]["gap_host"]
     sev = "high" if share >= 0.25 else "medium" if share >= 0.10 else None
     return [f] if (f := _finding("host_gap", sev, share, "share", share,
-                                 f"host-side gaps (tokenizer -> engine) are {share:.0%} of p99 TTFT",
+                                 f"host-side gaps (API server -> engine, outside every phase) are {share:.0%} of p99 TTFT",
                                  **_slow(tail["slowest"]))) else []
 
 

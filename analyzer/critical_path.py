@@ -16,17 +16,29 @@ from .window import Window
 
 
 def request_phase_spans(store, window: Window) -> pl.DataFrame:
-    """Phase spans of the requests in ``window`` relative to arrival (ns), with each TTFT."""
+    """Phase spans of the requests in ``window`` relative to the start of their TTFT window
+    (ns), with each TTFT: the client's (``ttftscope.http``) when recorded, else vLLM's."""
+    names = ", ".join(f"'{n}'" for n in (SpanName.RECEIVE, SpanName.TOKENIZE, SpanName.INTAKE, SpanName.QUEUE,
+                                         SpanName.PREFILL, SpanName.DELIVER, SpanName.OUTPUT))
     return store.query(f"""
-        WITH reqs AS (
+        WITH vreqs AS (
           SELECT TraceId, min(toUnixTimestamp64Nano(Timestamp)) AS t0,
                  any(toInt64(round(toFloat64OrZero(SpanAttributes['{Attr.VLLM_TTFT}']) * 1e9))) AS ttft
           FROM otel_traces WHERE SpanName = '{SpanName.REQUEST}' AND {Window.time_filter()} AND {Window.request_filter()}
-          GROUP BY TraceId)
+          GROUP BY TraceId),
+        http AS (
+          SELECT TraceId, min(toUnixTimestamp64Nano(Timestamp)) AS h0, argMin(toInt64(Duration), Timestamp) AS hdur
+          FROM otel_traces WHERE SpanName = '{SpanName.HTTP}' AND {Window.time_filter(60, 600)}
+            AND TraceId IN (SELECT TraceId FROM vreqs)
+          GROUP BY TraceId),
+        reqs AS (
+          SELECT v.TraceId AS TraceId, if(ifNull(h.hdur, 0) > 0, h.h0, v.t0) AS t0,
+                 if(ifNull(h.hdur, 0) > 0, h.hdur, v.ttft) AS ttft
+          FROM vreqs AS v LEFT JOIN http AS h ON v.TraceId = h.TraceId)
         SELECT s.TraceId AS trace_id, {phase_sql('s.SpanName', 's.SpanAttributes')} AS phase, s.SpanName AS name,
                toUnixTimestamp64Nano(s.Timestamp) - r.t0 AS st, st + toInt64(s.Duration) AS en, r.ttft AS ttft
         FROM otel_traces AS s INNER JOIN reqs AS r ON s.TraceId = r.TraceId
-        WHERE s.SpanName IN ('{SpanName.TOKENIZE}', '{SpanName.QUEUE}', '{SpanName.PREFILL}', '{SpanName.OUTPUT}')
+        WHERE s.SpanName IN ({names})
           AND {Window.time_filter(60, 600, 's.Timestamp')} AND r.ttft > 0""", window.params())
 
 

@@ -1,13 +1,20 @@
 """Decompose: every request's TTFT split into phases that sum exactly to the measured TTFT.
 
+TTFT is what the client sees: the ``ttftscope.http`` span the plugin's middleware records in
+the API server (request received -> the first bytes carrying a generated token written;
+non-streaming: the response written, ``streaming`` false). vLLM's own
+``gen_ai.latency.time_to_first_token`` (its arrival -> its output processor has the token) is
+a narrower window inside it and stays a column, ``ttft_vllm``. Without the middleware
+(stock vLLM, or an older plugin) the window is vLLM's, and ``client`` is false.
+
 One ClickHouse query does the per-request work inside the store: the request's phase spans
-are clipped to its TTFT window ``[arrival, arrival + TTFT]`` and swept; each instant goes to
-the highest-priority phase covering it (prefill > load > tokenize > output > queue) and
-what no span covers is ``gap``, itself classified by its neighbours (host-side gap between
-tokenisation and queueing, wait between prefill chunks, scheduling wait, output IPC).
+are clipped to its TTFT window and swept; each instant goes to the highest-priority phase
+covering it (prefill > load > tokenize > deliver > queue > intake > receive) and what no
+span covers is ``gap``, itself classified by its neighbours (host-side gap before the engine
+has the request, wait between prefill chunks, scheduling wait, delivery wait, other).
 Allreduce time is the part of each prefill chunk spent in its step's collectives (slowest
-rank), carved out of prefill. All sums are integer nanoseconds, so
-``load + tokenize + queue + prefill + allreduce + output + gap == ttft`` holds exactly.
+rank), carved out of prefill. All sums are integer nanoseconds, so the phases add up to
+``ttft`` exactly.
 
 With stock vLLM only (no plugin spans), the ``llm_request`` attributes give queue and
 prefill; the rest of TTFT is ``gap`` ("everything else"), and ``coarse`` is true.
@@ -16,16 +23,24 @@ prefill; the rest of TTFT is ``gap`` ("everything else"), and ``coarse`` is true
 from __future__ import annotations
 
 import polars as pl
-from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, Attr, ResourceAttr, SpanName
+from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, Attr, Phase, ResourceAttr, SpanName
 
 from .window import Window
 
-PHASE_COLUMNS = ["load", "tokenize", "queue", "prefill", "allreduce", "output", "gap"]
-GAP_COLUMNS = ["gap_host", "gap_chunk_wait", "gap_schedule", "gap_output", "gap_other"]
+PHASE_COLUMNS = [p.value for p in (Phase.LOAD, Phase.RECEIVE, Phase.TOKENIZE, Phase.INTAKE, Phase.QUEUE, Phase.PREFILL,
+                                   Phase.ALLREDUCE, Phase.DELIVER, Phase.GAP)]
+GAP_COLUMNS = ["gap_host", "gap_chunk_wait", "gap_schedule", "gap_deliver", "gap_other"]
 
-# sweep priorities (lower wins); 99 = uncovered (gap)
-_PRIO = {SpanName.PREFILL: 1, "load": 2, SpanName.TOKENIZE: 3, SpanName.OUTPUT: 4, SpanName.QUEUE: 5}
-_P_PREFILL, _P_LOAD, _P_TOK, _P_OUT, _P_QUEUE = 1, 2, 3, 4, 5
+# sweep priority of each phase span where spans overlap (lower wins); 99 = uncovered (gap)
+_P_PREFILL, _P_LOAD, _P_TOK, _P_DELIVER, _P_QUEUE, _P_INTAKE, _P_RECEIVE = 1, 2, 3, 4, 5, 6, 7
+_SWEPT = {  # priority -> (phase column, span names); load comes from vLLM's start-up spans
+    _P_PREFILL: (Phase.PREFILL.value, [SpanName.PREFILL]),
+    _P_TOK: (Phase.TOKENIZE.value, [SpanName.TOKENIZE]),
+    _P_DELIVER: (Phase.DELIVER.value, [SpanName.DELIVER, SpanName.OUTPUT]),
+    _P_QUEUE: (Phase.QUEUE.value, [SpanName.QUEUE]),
+    _P_INTAKE: (Phase.INTAKE.value, [SpanName.INTAKE]),
+    _P_RECEIVE: (Phase.RECEIVE.value, [SpanName.RECEIVE]),
+}
 
 
 def _q(s: str) -> str:
@@ -34,10 +49,13 @@ def _q(s: str) -> str:
 
 def decompose_sql() -> str:
     load_names = ", ".join(_q(n) for n in sorted(VLLM_SPAN_PHASE))
-    phase_names = ", ".join(_q(n) for n in (SpanName.TOKENIZE, SpanName.QUEUE, SpanName.PREFILL, SpanName.OUTPUT))
-    prio = (f"multiIf(SpanName = {_q(SpanName.PREFILL)}, {_P_PREFILL}, SpanName = {_q(SpanName.TOKENIZE)}, {_P_TOK}, "
-            f"SpanName = {_q(SpanName.OUTPUT)}, {_P_OUT}, {_P_QUEUE})")
+    phase_names = ", ".join(_q(n) for _, names in _SWEPT.values() for n in names)
+    prio = "multiIf(" + ", ".join(f"SpanName IN ({', '.join(_q(n) for n in names)}), {p}"
+                                  for p, (_, names) in _SWEPT.items()) + ", 99)"
     a = lambda k: f"SpanAttributes[{_q(k)}]"  # noqa: E731
+    sums = ",\n  ".join(f"arraySum(arrayMap((sg, q) -> if(q = {p}, sg.2 - sg.1, 0), segs, segp)) AS {col}"
+                        for p, (col, _) in _SWEPT.items() if p != _P_PREFILL)
+    host = f"x.2 IN (0, {_P_RECEIVE}, {_P_TOK}, {_P_INTAKE})"
     return f"""
 SELECT * EXCEPT (nb, prefill_all) FROM (
 WITH
@@ -59,6 +77,14 @@ WITH
            any({a(Attr.PRIORITY)}) AS priority
     FROM otel_traces
     WHERE SpanName = {_q(SpanName.REQUEST)} AND {Window.time_filter()} AND {Window.request_filter()}
+    GROUP BY TraceId
+  ),
+  http AS (
+    SELECT TraceId, argMin(toUnixTimestamp64Nano(Timestamp), Timestamp) AS h0,
+           argMin(toInt64(Duration), Timestamp) AS hdur,
+           argMin({a(Attr.HTTP_STREAMING)}, Timestamp) = 'true' AS streaming
+    FROM otel_traces
+    WHERE SpanName = {_q(SpanName.HTTP)} AND {Window.time_filter(60, 600)} AND TraceId IN (SELECT TraceId FROM reqs)
     GROUP BY TraceId
   ),
   ar AS (
@@ -84,41 +110,46 @@ WITH
     GROUP BY s.TraceId
   )
 SELECT
-  TraceId AS trace_id, request_id, t0, ttft, coarse, prompt_tokens, completion_tokens, model, version, run, priority, e2e,
-  chunks,
+  TraceId AS trace_id, request_id, w0 AS t0, ttft, ttft_vllm, client, streaming, coarse, prompt_tokens,
+  completion_tokens, model, version, run, priority, e2e, chunks,
   arraySum(arrayMap((sg, q) -> if(q = {_P_PREFILL}, sg.2 - sg.1, 0), segs, segp)) AS prefill_all,
   least(prefill_all, ar_total) AS allreduce,
   prefill_all - allreduce AS prefill,
   arraySum(arrayMap((sg, q) -> if(q = {_P_LOAD}, sg.2 - sg.1, 0), segs, segp)) AS load,
-  arraySum(arrayMap((sg, q) -> if(q = {_P_TOK}, sg.2 - sg.1, 0), segs, segp)) AS tokenize,
-  arraySum(arrayMap((sg, q) -> if(q = {_P_OUT}, sg.2 - sg.1, 0), segs, segp)) AS output,
-  arraySum(arrayMap((sg, q) -> if(q = {_P_QUEUE}, sg.2 - sg.1, 0), segs, segp)) AS queue,
+  {sums},
   arraySum(arrayMap((sg, q) -> if(q = 99, sg.2 - sg.1, 0), segs, segp)) AS gap,
   arrayMap(i -> (segp[i], if(i = 1, 0, segp[i - 1]), if(i = length(segp), 0, segp[i + 1])), arrayEnumerate(segp)) AS nb,
-  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND (x.2 = {_P_TOK} OR x.2 = 0), sg.2 - sg.1, 0), segs, nb)) AS gap_host,
+  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND {host}, sg.2 - sg.1, 0), segs, nb)) AS gap_host,
   arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 = {_P_PREFILL} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_chunk_wait,
   arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 = {_P_QUEUE} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_schedule,
-  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 = {_P_PREFILL} AND (x.3 = {_P_OUT} OR x.3 = 0), sg.2 - sg.1, 0), segs, nb)) AS gap_output,
-  gap - gap_host - gap_chunk_wait - gap_schedule - gap_output AS gap_other
+  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 IN ({_P_PREFILL}, {_P_DELIVER}) AND (x.3 = {_P_DELIVER} OR x.3 = 0), sg.2 - sg.1, 0), segs, nb)) AS gap_deliver,
+  gap - gap_host - gap_chunk_wait - gap_schedule - gap_deliver AS gap_other
 FROM (
-  SELECT r.* REPLACE (if(r.priority != '', r.priority, ifNull(sp.span_priority, '')) AS priority),
+  SELECT r.* EXCEPT (t0, TraceId) REPLACE (if(r.priority != '', r.priority, ifNull(sp.span_priority, '')) AS priority),
+         r.TraceId AS TraceId,
          sp.chunks AS chunks, sp.ar_total AS ar_total,
          length(sp.iv) = 0 AS coarse,
-         if(r.ttft_attr > 0, r.ttft_attr,
-            arrayMax(arrayConcat([toInt64(0)], arrayMap(x -> if(x.1 = {_P_OUT}, x.3, 0), sp.iv))) - r.t0) AS ttft,
+         ifNull(h.hdur, 0) > 0 AS client,
+         ifNull(h.streaming, 0) AS streaming,
+         if(client, h.h0, r.t0) AS w0,
+         r.ttft_attr AS ttft_vllm,
+         if(client, h.hdur,
+            if(r.ttft_attr > 0, r.ttft_attr,
+               arrayMax(arrayConcat([toInt64(0)], arrayMap(x -> if(x.1 = {_P_DELIVER}, x.3, 0), sp.iv))) - r.t0)) AS ttft,
+         r.t0 + r.ttft_attr - w0 AS vend,
          arrayConcat(
            if(coarse,
-              [(toUInt8({_P_QUEUE}), ttft - r.prefill_attr - r.queue_attr, ttft - r.prefill_attr),
-               (toUInt8({_P_PREFILL}), ttft - r.prefill_attr, ttft)],
-              arrayMap(x -> (toUInt8(x.1), x.2 - r.t0, x.3 - r.t0), sp.iv)),
-           arrayMap(x -> (toUInt8({_P_LOAD}), x.1 - r.t0, x.2 - r.t0),
-                    arrayFilter(x -> x.2 > r.t0 AND x.1 < r.t0 + ttft, loads))) AS ivs,
+              [(toUInt8({_P_QUEUE}), vend - r.prefill_attr - r.queue_attr, vend - r.prefill_attr),
+               (toUInt8({_P_PREFILL}), vend - r.prefill_attr, vend)],
+              arrayMap(x -> (toUInt8(x.1), x.2 - w0, x.3 - w0), sp.iv)),
+           arrayMap(x -> (toUInt8({_P_LOAD}), x.1 - w0, x.2 - w0),
+                    arrayFilter(x -> x.2 > w0 AND x.1 < w0 + ttft, loads))) AS ivs,
          arraySort(arrayDistinct(arrayConcat([toInt64(0), ttft],
              arrayMap(x -> least(greatest(x.2, 0), ttft), ivs),
              arrayMap(x -> least(greatest(x.3, 0), ttft), ivs)))) AS b,
          arrayMap(i -> (b[i], b[i + 1]), range(1, toUInt32(length(b)))) AS segs,
          arrayMap(sg -> arrayMin(arrayConcat([toUInt8(99)], arrayMap(x -> if(x.2 <= sg.1 AND x.3 >= sg.2, x.1, toUInt8(99)), ivs))), segs) AS segp
-  FROM reqs AS r LEFT JOIN spans AS sp ON r.TraceId = sp.TraceId
+  FROM reqs AS r LEFT JOIN spans AS sp ON r.TraceId = sp.TraceId LEFT JOIN http AS h ON r.TraceId = h.TraceId
 )
 WHERE ttft > 0
 )
@@ -132,12 +163,15 @@ def decompose(store, window: Window) -> pl.DataFrame:
         return empty()
     return df.with_columns(
         pl.col("coarse").cast(pl.Boolean),
-        *[pl.col(c).cast(pl.Int64) for c in ["ttft", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e"]],
+        pl.col("client").cast(pl.Boolean),
+        pl.col("streaming").cast(pl.Boolean),
+        *[pl.col(c).cast(pl.Int64) for c in ["ttft", "ttft_vllm", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e"]],
     )
 
 
 def empty() -> pl.DataFrame:
-    schema = {"trace_id": pl.Utf8, "request_id": pl.Utf8, "t0": pl.Int64, "ttft": pl.Int64, "coarse": pl.Boolean,
+    schema = {"trace_id": pl.Utf8, "request_id": pl.Utf8, "t0": pl.Int64, "ttft": pl.Int64, "ttft_vllm": pl.Int64,
+              "client": pl.Boolean, "streaming": pl.Boolean, "coarse": pl.Boolean,
               "prompt_tokens": pl.UInt32, "completion_tokens": pl.UInt32, "model": pl.Utf8, "version": pl.Utf8,
               "run": pl.Utf8, "priority": pl.Utf8, "e2e": pl.Int64, "chunks": pl.UInt64,
               **{c: pl.Int64 for c in PHASE_COLUMNS + GAP_COLUMNS}}

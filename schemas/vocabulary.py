@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from enum import Enum
 
-VOCABULARY_VERSION = 1
+VOCABULARY_VERSION = 2  # 2: TTFT as the client sees it (receive, intake, deliver; output -> deliver)
 
 
 class Phase(str, Enum):
     """A phase of the time to first token (see DESIGN.md)."""
 
     LOAD = "load"  # weights to device, KV-cache allocation, warmup, graph capture
+    RECEIVE = "receive"  # API server: HTTP receive, body parse, middleware, routing (before rendering)
     TOKENIZE = "tokenize"  # chat template + tokenizer in the API server
+    INTAKE = "intake"  # API server -> engine core: IPC, then waiting for the busy engine loop
     QUEUE = "queue"  # engine core: queued -> first scheduled
     PREFILL = "prefill"  # forward passes over the prompt (one span per chunk)
     ALLREDUCE = "allreduce"  # tensor-parallel collectives inside prefill
-    OUTPUT = "output"  # first token back through IPC, detokenised, written
+    DELIVER = "deliver"  # first token produced -> output processing, detokenize, serialise, bytes written
     GAP = "gap"  # time inside TTFT no phase covers
 
     def __str__(self) -> str:  # pragma: no cover - trivial
@@ -39,10 +41,15 @@ class SpanName:
     """Span names emitted by the ttftscope plugin and the synthetic generator."""
 
     REQUEST = "llm_request"  # vLLM's own per-request span (API server, kind SERVER)
+    #: the client's TTFT window: request received -> first token bytes written (API server)
+    HTTP = f"{PREFIX}.http"
+    RECEIVE = f"{PREFIX}.receive"
     TOKENIZE = f"{PREFIX}.tokenize"
+    INTAKE = f"{PREFIX}.intake"
     QUEUE = f"{PREFIX}.queue"
     PREFILL = f"{PREFIX}.prefill"  # one per chunk
-    OUTPUT = f"{PREFIX}.output"
+    DELIVER = f"{PREFIX}.deliver"
+    OUTPUT = f"{PREFIX}.output"  # vocabulary 1's deliver (ended when the output processor had the token)
     ALLREDUCE = f"{PREFIX}.allreduce"  # per worker rank and step (aggregated calls)
     ALLREDUCE_CALL = f"{PREFIX}.allreduce.call"  # one sampled collective
     STEP = f"{PREFIX}.step"  # one engine step (engine core / worker)
@@ -53,10 +60,13 @@ class SpanName:
 
 #: span name -> phase, for our own spans.
 OWN_SPAN_PHASE: dict[str, str] = {
+    SpanName.RECEIVE: Phase.RECEIVE.value,
     SpanName.TOKENIZE: Phase.TOKENIZE.value,
+    SpanName.INTAKE: Phase.INTAKE.value,
     SpanName.QUEUE: Phase.QUEUE.value,
     SpanName.PREFILL: Phase.PREFILL.value,
-    SpanName.OUTPUT: Phase.OUTPUT.value,
+    SpanName.DELIVER: Phase.DELIVER.value,
+    SpanName.OUTPUT: Phase.DELIVER.value,
     SpanName.ALLREDUCE: Phase.ALLREDUCE.value,
     SpanName.ALLREDUCE_CALL: Phase.ALLREDUCE.value,
     SpanName.LOAD: Phase.LOAD.value,
@@ -129,6 +139,18 @@ class Attr:
     LOAD_STAGE = f"{PREFIX}.load.stage"
     SAMPLED = f"{PREFIX}.sampled"
     COLLECTIVE = f"{PREFIX}.collective"  # the profiler's name for a sampled collective call
+    # the client's window (ttftscope.http)
+    HTTP_STREAMING = f"{PREFIX}.http.streaming"  # true: SSE, TTFT ends at the first token's chunk
+    HTTP_ROUTE = "http.route"
+    HTTP_STATUS = "http.response.status_code"
+    #: of a deliver span: ns from the first token produced until vLLM's output processor had it
+    #: (vLLM's own TTFT ends there); the rest of deliver is after vLLM's window
+    DELIVER_HANDLED_NS = f"{PREFIX}.deliver.handled_ns"
+
+
+#: a trace header the plugin adds when the API server hands a request to the engine core
+#: (wall-clock seconds): the start of ``intake``
+HANDOFF_HEADER = f"{PREFIX}-handoff"
 
 
 class ResourceAttr:

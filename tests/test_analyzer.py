@@ -258,21 +258,21 @@ def test_critical_path_walks_back_through_every_chunk_and_tolerates_skew(stores)
     spans = request_phase_spans(st, WIN)
     path = walk_back(spans)
     df = decompose(st, WIN)
-    # sequential phases: the path holds every span of the request, last first, output at step 0
+    # sequential phases: the path holds every span of the request, last first, deliver at step 0
     per = path.group_by("trace_id").agg(pl.len().alias("n"), pl.col("phase").sort_by("step").first().alias("last"))
     n_spans = spans.filter(pl.col("en").clip(upper_bound=pl.col("ttft")) > pl.col("st").clip(lower_bound=0)) \
         .group_by("trace_id").agg(pl.len().alias("m"))
     j = per.join(n_spans, on="trace_id")
-    assert (j["n"] == j["m"]).mean() > 0.99 and (per["last"] == "output").mean() > 0.99
+    assert (j["n"] == j["m"]).mean() > 0.99 and (per["last"] == "deliver").mean() > 0.99
     # path time + root self time == TTFT, and the path's prefill equals the decomposition's
     on_path = path.with_columns((pl.col("en") - pl.col("st")).alias("d")).group_by("trace_id").agg(pl.col("d").sum())
     k = on_path.join(df.select("trace_id", "ttft", "gap"), on="trace_id")
     assert ((k["d"] + k["gap"] - k["ttft"]).abs() <= 1).mean() > 0.99
-    # clock skew: an output span that starts 0.5% of TTFT before prefill ends is still on the path
-    skewed = spans.with_columns(pl.when(pl.col("phase") == "output").then(pl.col("st") - (pl.col("ttft") * 0.005).cast(pl.Int64))
+    # clock skew: a deliver span that starts 0.5% of TTFT before prefill ends is still on the path
+    skewed = spans.with_columns(pl.when(pl.col("phase") == "deliver").then(pl.col("st") - (pl.col("ttft") * 0.005).cast(pl.Int64))
                                 .otherwise(pl.col("st")).alias("st"))
     p2 = walk_back(skewed)
-    assert p2.filter(pl.col("step") == 0)["phase"].eq("output").mean() > 0.99
+    assert p2.filter(pl.col("step") == 0)["phase"].eq("deliver").mean() > 0.99
     r = Analyzer(st).analyze(WIN)
     assert [b["band"] for b in r["critical_path"]] == ["≤p50", "p50–p95", "p95–p99", "≥p99"]
 

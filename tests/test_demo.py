@@ -50,7 +50,7 @@ def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans
     burst = next(line for line in lines if line.startswith("burst"))
     assert "queue" in burst.lower(), f"the burst's main cause is queueing: {burst}"
     names = {r["SpanName"] for r in ttftscope_sql(store, "SELECT DISTINCT SpanName FROM otel_traces")}
-    for span in ("llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.output",
+    for span in ("llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver",
                  "ttftscope.allreduce", "ttftscope.process", "Load model"):
         assert span in names, f"real vLLM traces of every phase: {span} missing"
     runs = ttftscope_sql(store, "SELECT DISTINCT ResourceAttributes['ttftscope.run'] AS r FROM otel_traces WHERE r != ''")

@@ -120,7 +120,7 @@ def test_schema_cli_prints_ddl_and_vocabulary():
     import json
 
     v = json.loads(r.stdout)
-    assert v["phases"] == ["load", "tokenize", "queue", "prefill", "allreduce", "output", "gap"]
+    assert v["phases"] == ["load", "receive", "tokenize", "intake", "queue", "prefill", "allreduce", "deliver", "gap"]
 
 
 def test_phase_mapping_sql_agrees_with_python(tmp_path):

@@ -70,20 +70,26 @@ def test_every_request_has_its_phases_in_one_trace_nested_in_llm_request(tp1):
                        toFloat64OrZero(SpanAttributes['gen_ai.latency.time_to_first_token']) AS ttft
                 FROM otel_traces WHERE TraceId = {t:String}""", params={"t": tid})
             names = [s["SpanName"] for s in spans]
-            for phase in ("ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.output"):
-                assert phase in names, (kind, rid, names)
+            for phase in ("ttftscope.http", "ttftscope.receive", "ttftscope.tokenize", "ttftscope.intake",
+                          "ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver"):
+                assert names.count(phase) >= 1, (kind, rid, names)
             if kind == "long":
                 assert names.count("ttftscope.prefill") >= 2, "a prompt longer than max-num-batched-tokens is chunked"
-            root = next(s for s in spans if s["SpanName"] == "llm_request")
-            first_token = int(root["s"]) + int(root["ttft"] * 1e9)
+            vllm_root = next(s for s in spans if s["SpanName"] == "llm_request")
+            http = next(s for s in spans if s["SpanName"] == "ttftscope.http")  # the client's window
+            first_token = int(vllm_root["s"]) + int(vllm_root["ttft"] * 1e9)
             slack = 2_000_000  # 2 ms of clock conversion between processes
+            assert int(http["s"]) <= int(vllm_root["s"]), "the client's window opens before vLLM's arrival"
+            assert int(http["e"]) + slack >= first_token, "and closes after vLLM's first token"
             for s in spans:
-                if s["SpanName"] == "llm_request":
+                if s["SpanName"] in ("llm_request", "ttftscope.http"):
                     continue
-                assert int(s["s"]) >= int(root["s"]) - slack, (s["SpanName"], "starts inside llm_request")
-                assert int(s["e"]) <= int(root["e"]) + slack, (s["SpanName"], "ends inside llm_request")
-                if s["SpanName"] in ("ttftscope.queue", "ttftscope.prefill", "ttftscope.output"):
+                assert int(s["s"]) >= int(http["s"]) - slack, (s["SpanName"], "starts inside the request")
+                assert int(s["e"]) <= max(int(http["e"]), int(vllm_root["e"])) + slack, (s["SpanName"], "ends inside")
+                if s["SpanName"] in ("ttftscope.intake", "ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver"):
                     assert s["rid"], "every per-request span carries the request id"
+            deliver = next(s for s in spans if s["SpanName"] == "ttftscope.deliver")
+            assert abs(int(deliver["e"]) - int(http["e"])) <= slack, "deliver ends when the first token's bytes go out"
             assert max(int(s["e"]) for s in spans if s["SpanName"] == "ttftscope.prefill") <= first_token + slack
 
 
@@ -98,7 +104,7 @@ def test_phases_add_up_to_measured_ttft_with_a_small_gap(tp1):
     worst = df.select((pl.col("gap") / pl.col("ttft")).max()).item()
     gap_ms = df["gap"].max() / 1e6
     assert gap_ms <= 10 or worst <= 0.25, f"unexplained gap too large: {gap_ms:.1f} ms ({worst:.0%} of TTFT)"
-    assert (df["tokenize"] > 0).all() and (df["prefill"] > 0).all() and (df["output"] > 0).all()
+    assert (df["tokenize"] > 0).all() and (df["prefill"] > 0).all() and (df["deliver"] > 0).all() and (df["receive"] > 0).all() and (df["intake"] > 0).all()
 
 
 def test_engine_steps_and_startup_spans(tp1):
@@ -133,7 +139,7 @@ def test_client_traceparent_is_continued(tp1):
     store, _, _, _ = tp1
     rows = ttftscope_sql(store, "SELECT SpanName, ParentSpanId FROM otel_traces WHERE TraceId = {t:String}",
                          params={"t": SAMPLED_TID})
-    assert {"llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.output"} <= {r["SpanName"] for r in rows}
+    assert {"llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver"} <= {r["SpanName"] for r in rows}
     assert all(r["ParentSpanId"] == CLIENT_PARENT for r in rows if r["SpanName"] == "llm_request")
     assert ttftscope_sql(store, "SELECT count() AS n FROM otel_traces WHERE TraceId = {t:String} "
                                 "AND SpanName LIKE 'ttftscope.%'", params={"t": UNSAMPLED_TID})[0]["n"] in (0, "0"), \
@@ -240,14 +246,14 @@ def test_plugin_matrix_serves_and_every_span_kind_arrives(tmp_path, tp, eager):
     assert "ttftscope: adapter" not in log, "no adapter disabled"
     names = {r["SpanName"]: int(r["n"]) for r in ttftscope_sql(
         col.store, "SELECT SpanName, count() AS n FROM otel_traces GROUP BY SpanName")}
-    for kind in ("llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.output",
+    for kind in ("llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver",
                  "ttftscope.step", "ttftscope.process"):
         assert names.get(kind, 0) > 0, (kind, names)
     for rid in plain + streamed + [chat]:
         got = {r["SpanName"] for r in ttftscope_sql(col.store, "SELECT DISTINCT SpanName FROM otel_traces "
                                                                "WHERE TraceId = {t:String}",
                                                     params={"t": _trace_of(col.store, rid)})}
-        assert {"ttftscope.queue", "ttftscope.prefill", "ttftscope.output"} <= got, (rid, got)
+        assert {"ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver"} <= got, (rid, got)
     ar = ttftscope_sql(col.store, "SELECT SpanName AS n, SpanAttributes['ttftscope.rank'] AS rank, "
                                   "SpanAttributes['ttftscope.sampled'] AS sampled FROM otel_traces "
                                   "WHERE SpanName LIKE 'ttftscope.allreduce%'")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
+from ttftscope.schemas.vocabulary import Attr, Phase, ResourceAttr, SpanName
 
 from .runtime import RT, guard, span
 
@@ -28,8 +28,8 @@ def emit_process_ready(role: str, rank: int | None = 0) -> None:
 
     now = time.time()
     root = RT.tracer.start_span(SpanName.PROCESS_START, start_time=int(start * 1e9), attributes={
-        Attr.PHASE: "load", Attr.RANK: rank if rank is not None else 0, ResourceAttr.ROLE: role})
+        Attr.PHASE: Phase.LOAD.value, Attr.RANK: rank if rank is not None else 0, ResourceAttr.ROLE: role})
     reg = RT.registered_at or now
-    span(SpanName.LOAD, start, min(reg, now), {Attr.PHASE: "load", Attr.LOAD_STAGE: "process start and imports"},
+    span(SpanName.LOAD, start, min(reg, now), {Attr.PHASE: Phase.LOAD.value, Attr.LOAD_STAGE: "process start and imports"},
          ot.set_span_in_context(root))
     root.end(end_time=int(now * 1e9))

@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
+from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, ProcessRole, SpanName
 
 from .adapters import Internal, adapter
 from .coldstart import emit_process_ready
@@ -143,7 +143,7 @@ def _install_engine_ready() -> None:
     @functools.wraps(orig_kv)
     def init_kv(self, *a, **kw):
         r = orig_kv(self, *a, **kw)
-        emit_process_ready("engine_core")
+        emit_process_ready(ProcessRole.ENGINE_CORE.value)
         return r
 
     core.EngineCore._initialize_kv_caches = init_kv
@@ -151,12 +151,20 @@ def _install_engine_ready() -> None:
 
 @guard("add_request")
 def _on_add(st: EngineState, request) -> None:
-    if not sampled(request.trace_headers):
+    th = request.trace_headers
+    if not sampled(th):
         return
+    now = time.time()
     with st.lock:
-        st.queued[request.request_id] = time.time()
+        st.queued[request.request_id] = now
         while len(st.queued) > 100_000:  # bounded even if requests vanish
             st.queued.popitem(last=False)
+    try:  # intake: the API server's handoff -> the scheduler has it (IPC + waiting for the engine loop)
+        sent = float(th.get(HANDOFF_HEADER, ""))
+    except ValueError:
+        return
+    if sent < now:
+        span(SpanName.INTAKE, sent, now, {Attr.REQUEST_ID: ext_id(request), Attr.PHASE: Phase.INTAKE.value}, th)
 
 
 def _cached_tokens(req, before: int, index: int) -> int:
@@ -200,7 +208,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
         with st.lock:
             q = st.queued.pop(nr.req_id, None)
         if q is not None and req is not None:
-            span(SpanName.QUEUE, q, t0, {Attr.REQUEST_ID: ext_id(req), Attr.PHASE: "queue",
+            span(SpanName.QUEUE, q, t0, {Attr.REQUEST_ID: ext_id(req), Attr.PHASE: Phase.QUEUE.value,
                                          Attr.PRIORITY: str(req.priority)}, req.trace_headers)
     with st.lock:
         st.pending[id(out)] = PendingStep(step, t0, t1, chunks, len(out.num_scheduled_tokens), len(sched.running),
@@ -217,7 +225,7 @@ def _on_step_done(st: EngineState, sched, out, t_end: float) -> None:
         return
     prefill_tokens = sum(c.tokens for c in p.chunks)
     for c in p.chunks:
-        attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: "prefill", Attr.STEP: p.step, Attr.CHUNK: c.index,
+        attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: Phase.PREFILL.value, Attr.STEP: p.step, Attr.CHUNK: c.index,
                  Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached, Attr.BATCH_SIZE: p.batch,
                  Attr.ENGINE: st.engine}
         if c.prefix_hash:

@@ -7,7 +7,7 @@ import contextvars
 import functools
 import time
 
-from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
+from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, ProcessRole, SpanName
 
 from .adapters import Internal, adapter
 from .runtime import MONO_TO_WALL, RT, guard, log, new_traceparent, sampled, span
@@ -74,6 +74,8 @@ def _install_trace_context() -> None:
         try:
             if not th or "traceparent" not in th:
                 th = {**(th or {}), "traceparent": new_traceparent()}
+            if sampled(th):  # the handoff to the engine core starts here: intake's start
+                th = {**th, HANDOFF_HEADER: repr(time.time())}
             _emit_tokenize(th)
         except Exception:  # noqa: BLE001
             log.exception("ttftscope: trace header hook failed")
@@ -88,11 +90,14 @@ def _emit_tokenize(trace_headers) -> None:
     if r is None or not sampled(trace_headers):
         return
     _RENDER.set(None)
-    span(SpanName.TOKENIZE, r[0], r[1], {Attr.PHASE: "tokenize"}, trace_headers)
+    span(SpanName.TOKENIZE, r[0], r[1], {Attr.PHASE: Phase.TOKENIZE.value}, trace_headers)
+    from .http import emit_receive
+
+    emit_receive(r[0], trace_headers)
 
 
-@adapter("output", roles=FRONTEND, what="ttftscope.output per request; keeps vLLM's tracing from asserting "
-         "when stats are off",
+@adapter("output", roles=FRONTEND, what="the first token's time for ttftscope.deliver; keeps vLLM's tracing "
+         "from asserting when stats are off",
          internals=[Internal("vllm.v1.engine.output_processor", "OutputProcessor.do_tracing"),
                     Internal("vllm.v1.engine.output_processor", "RequestState.stats", "attribute"),
                     Internal("vllm.v1.engine.output_processor", "RequestState.external_req_id", "attribute"),
@@ -123,7 +128,11 @@ def _emit_output(engine_core_output, req_state) -> None:
     m = req_state.stats
     if not m.first_token_ts:
         return
+    from .http import ACTIVE, RDV, _emit_deliver, trace_id_of
+
     produced = m.first_token_ts + MONO_TO_WALL  # engine clock (monotonic) -> wall, same host
-    delivered = m.arrival_time + m.first_token_latency
-    span(SpanName.OUTPUT, min(produced, delivered), delivered,
-         {Attr.REQUEST_ID: req_state.external_req_id, Attr.PHASE: "output"}, th)
+    handled = m.arrival_time + m.first_token_latency  # the output processor had it: vLLM's TTFT ends
+    if ACTIVE[0]:  # the client-TTFT middleware knows when the bytes were written
+        RDV.on_produced(trace_id_of(th.get("traceparent", "")), produced, handled, req_state.external_req_id, th)
+    else:
+        _emit_deliver(produced, handled, handled, req_state.external_req_id, th)

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
+from ttftscope.schemas.vocabulary import Attr, Phase, ProcessRole, SpanName
 
 from .adapters import Internal, adapter
 from .coldstart import emit_process_ready
@@ -173,7 +173,7 @@ def _install_worker_ready() -> None:
             @functools.wraps(orig_ready)
             def wrapped(self, *a, **kw):
                 r = orig_ready(self, *a, **kw)
-                emit_process_ready("worker", WS.rank)
+                emit_process_ready(ProcessRole.WORKER.value, WS.rank)
                 return r
             return wrapped
 
@@ -252,11 +252,11 @@ def _emit_profiled_collectives(prof, wall0: float, step, rank, tp, engine: str, 
         first = start if first is None else min(first, start)
         span(SpanName.ALLREDUCE_CALL, start, start + dur, {
             Attr.STEP: step, Attr.RANK: rank, Attr.TP_SIZE: tp, Attr.SAMPLED: True,
-            Attr.PHASE: "allreduce", Attr.COLLECTIVE: e.name, Attr.ENGINE: engine})
+            Attr.PHASE: Phase.ALLREDUCE.value, Attr.COLLECTIVE: e.name, Attr.ENGINE: engine})
     if calls and not hooked:  # compiled model: no per-call hook, the window is the step's only measure
         span(SpanName.ALLREDUCE, first, first + total, {
             Attr.STEP: step, Attr.RANK: rank, Attr.TP_SIZE: tp, Attr.ALLREDUCE_COUNT: len(calls),
-            Attr.SAMPLED: True, Attr.PHASE: "allreduce", Attr.ENGINE: engine})
+            Attr.SAMPLED: True, Attr.PHASE: Phase.ALLREDUCE.value, Attr.ENGINE: engine})
 
 
 @guard("allreduce")
@@ -300,5 +300,5 @@ def _on_exec_end(ws: WorkerState) -> None:
         return
     span(SpanName.ALLREDUCE, ws.first, ws.first + ws.time, {
         Attr.STEP: ws.step if ws.step is not None else -1, Attr.RANK: ws.rank, Attr.TP_SIZE: ws.tp,
-        Attr.ALLREDUCE_COUNT: ws.count, Attr.ALLREDUCE_BYTES: ws.bytes, Attr.PHASE: "allreduce",
+        Attr.ALLREDUCE_COUNT: ws.count, Attr.ALLREDUCE_BYTES: ws.bytes, Attr.PHASE: Phase.ALLREDUCE.value,
         Attr.ENGINE: ws.engine})

@@ -4,6 +4,7 @@ import orjson
 import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
+from ttftscope.analyzer.decompose import PHASE_COLUMNS
 from ttftscope.analyzer.requests import gap_intervals, slowest
 from ttftscope.dashboards.ui.common import (
     PHASE_COLORS,
@@ -62,7 +63,7 @@ with guard():
     if row.height:
         r = row.row(0, named=True)
         st.caption("TTFT " + f"{r['ttft'] / 1e6:.2f} ms = " + " + ".join(
-            f"{p} {r[p] / 1e6:.2f}" for p in ("load", "tokenize", "queue", "prefill", "allreduce", "output", "gap") if r[p]))
+            f"{p} {r[p] / 1e6:.2f}" for p in PHASE_COLUMNS if r[p]))
     st.download_button("Download as Perfetto JSON", orjson.dumps(a.export_perfetto(trace_ids=[tid])),
                        file_name=f"{tid}.perfetto.json", mime="application/json")
     st.subheader("Spans and attributes")

@@ -1,0 +1,220 @@
+"""TTFT as the client sees it: an ASGI middleware the plugin adds to vLLM's API server.
+
+The window is request received (the middleware is entered: headers parsed, body not yet
+read) -> the first response bytes that carry a generated token handed to the transport
+(streaming: the first SSE ``data:`` chunk whose choice has text, a delta with content,
+reasoning or tool calls; non-streaming: the response body, marked as such). It becomes the
+``ttftscope.http`` span, parent window of everything else, and with it two API-server
+phases that vLLM's own window does not see:
+
+* ``receive``: request received -> rendering starts (body read, JSON parse, validation,
+  middleware, routing), emitted with the tokenize span;
+* ``deliver``: the engine's first token produced -> those bytes written (IPC back, output
+  processing, detokenize, serialise, event-loop wait, socket write). Whichever of the two
+  ends learns its time last (the output processor at request finish, the middleware at the
+  first bytes) emits it, through a small bounded rendezvous keyed by trace id.
+
+The middleware also gives every request its W3C ``traceparent`` (the client's, else a new
+one with the head-sampling decision) by adding the header to the request scope, so vLLM's
+own tracing and every adapter see the same trace.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+import time
+from collections import OrderedDict
+
+import orjson
+from ttftscope.schemas.vocabulary import Attr, Phase, SpanName
+
+from .adapters import Internal, adapter
+from .frontend import FRONTEND
+from .runtime import guard, log, new_traceparent, sampled, span
+
+#: (received at, traceparent) of the HTTP request this task serves
+HTTP: contextvars.ContextVar[tuple[float, str] | None] = contextvars.ContextVar("ttftscope_http", default=None)
+
+_GENERATE_SUFFIXES = ("/completions", "/responses", "/generate")
+
+
+class Rendezvous:
+    """first token produced (output processor) x first bytes written (middleware), by trace."""
+
+    def __init__(self, cap: int = 16_384) -> None:
+        self.cap = cap
+        self.lock = threading.Lock()
+        self.produced: OrderedDict[str, tuple[float, float, str, dict]] = OrderedDict()
+        self.written: OrderedDict[str, float] = OrderedDict()
+
+    @staticmethod
+    def _put(d: OrderedDict, k, v, cap: int) -> None:
+        d[k] = v
+        while len(d) > cap:
+            d.popitem(last=False)
+
+    def on_produced(self, trace_id: str, produced: float, handled: float, request_id: str, headers: dict) -> None:
+        with self.lock:
+            w = self.written.pop(trace_id, None)
+            if w is None:
+                self._put(self.produced, trace_id, (produced, handled, request_id, headers), self.cap)
+                return
+        _emit_deliver(produced, handled, w, request_id, headers)
+
+    def on_written(self, trace_id: str, written: float) -> None:
+        with self.lock:
+            p = self.produced.pop(trace_id, None)
+            if p is None:
+                self._put(self.written, trace_id, written, self.cap)
+                return
+        _emit_deliver(p[0], p[1], written, p[2], p[3])
+
+
+RDV = Rendezvous()
+ACTIVE = [False]  # the middleware is installed: deliver ends at the bytes written
+
+
+def _emit_deliver(produced: float, handled: float, written: float, request_id: str, headers: dict) -> None:
+    end = max(written, handled)
+    span(SpanName.DELIVER, min(produced, end), end,
+         {Attr.REQUEST_ID: request_id, Attr.PHASE: Phase.DELIVER.value,
+          Attr.DELIVER_HANDLED_NS: int(max(handled - min(produced, end), 0) * 1e9)}, headers)
+
+
+def trace_id_of(traceparent: str) -> str:
+    return traceparent[3:35] if len(traceparent) >= 55 else ""
+
+
+def _has_token(body: bytes) -> tuple[bool, str]:
+    """(whether an SSE body chunk carries a generated token, the response id if seen)."""
+    rid = ""
+    for line in body.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if not data or data == b"[DONE]":
+            continue
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        rid = rid or str(doc.get("id", ""))
+        for ch in doc.get("choices") or ():
+            # a token that decodes to nothing still ends the wait when its choice finishes
+            if ch.get("text") or ch.get("token_ids") or ch.get("finish_reason"):
+                return True, rid
+            d = ch.get("delta") or {}
+            if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
+                return True, rid
+        if doc.get("type", "").endswith(".delta") and doc.get("delta"):  # Responses API events
+            return True, rid
+    return False, rid
+
+
+class ClientTTFTMiddleware:
+    """Pure ASGI (no task of its own): runs in the request's task, so the context variable
+    it sets is seen by the handlers below it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") != "POST" or \
+                not scope.get("path", "").endswith(_GENERATE_SUFFIXES):
+            return await self.app(scope, receive, send)
+        t_recv = time.time()
+        scope, tp = _with_traceparent(scope)
+        token = HTTP.set((t_recv, tp))
+        st = {"status": 0, "stream": False, "done": False, "rid": ""}
+
+        async def send_wrapper(msg):
+            kind = msg.get("type")
+            if kind == "http.response.start":
+                st["status"] = msg.get("status", 0)
+                for k, v in msg.get("headers") or ():
+                    if k.lower() == b"content-type":
+                        st["stream"] = v.lower().startswith(b"text/event-stream")
+                return await send(msg)
+            if kind != "http.response.body" or st["done"]:
+                return await send(msg)
+            body = msg.get("body", b"")
+            first, more = False, msg.get("more_body", False)
+            try:
+                if st["stream"]:
+                    first, rid = _has_token(body)
+                    st["rid"] = st["rid"] or rid
+                    first = first or not more  # no token ever (empty output): the end of the response
+                else:
+                    first = not more
+                    if first and not st["rid"]:
+                        head = body[:256]
+                        i = head.find(b'"id":')
+                        if i >= 0:
+                            st["rid"] = head[i + 5:].split(b'"')[1].decode(errors="replace")
+            except Exception:  # noqa: BLE001 - never let tracing hurt a response
+                first = not more
+            r = await send(msg)
+            if first:
+                st["done"] = True
+                _on_first_bytes(t_recv, time.time(), tp, st, scope.get("path", ""))
+            return r
+
+        try:
+            return await self.app(scope, receive, send_wrapper)
+        finally:
+            HTTP.reset(token)
+
+
+def _with_traceparent(scope) -> tuple[dict, str]:
+    headers = scope.get("headers") or []
+    for k, v in headers:
+        if k == b"traceparent":
+            return scope, v.decode("latin-1")
+    tp = new_traceparent()
+    return {**scope, "headers": [*headers, (b"traceparent", tp.encode())]}, tp
+
+
+@guard("http")
+def _on_first_bytes(t_recv: float, t_written: float, tp: str, st: dict, path: str) -> None:
+    if not sampled({"traceparent": tp}) or st["status"] != 200:
+        return
+    headers = {"traceparent": tp}
+    span(SpanName.HTTP, t_recv, t_written, {
+        Attr.HTTP_STREAMING: st["stream"], Attr.HTTP_ROUTE: path,
+        Attr.HTTP_STATUS: st["status"], Attr.REQUEST_ID: st["rid"]}, headers)
+    RDV.on_written(trace_id_of(tp), t_written)
+
+
+@adapter("http-ttft", roles=FRONTEND,
+         what="TTFT as the client sees it (ASGI middleware: request received -> first token bytes written), "
+              "the receive and deliver phases, one traceparent per request",
+         internals=[Internal("vllm.entrypoints.launchers.app", "build_app"),
+                    Internal("vllm.entrypoints.launchers.app", "init_entrypoints_middleware")])
+def _install_http() -> None:
+    from vllm.entrypoints.launchers import app as launcher
+
+    orig = launcher.init_entrypoints_middleware
+
+    @functools.wraps(orig)
+    def init_middleware(args, app, *a, **kw):
+        r = orig(args, app, *a, **kw)
+        try:
+            app.add_middleware(ClientTTFTMiddleware)  # added last = outermost: sees the most
+        except Exception:  # noqa: BLE001
+            ACTIVE[0] = False
+            log.exception("ttftscope: could not add the client-TTFT middleware")
+        return r
+
+    launcher.init_entrypoints_middleware = init_middleware
+    ACTIVE[0] = True
+
+
+def emit_receive(render_start: float, trace_headers) -> None:
+    """``receive``: request received -> rendering starts (called with the tokenize span)."""
+    h = HTTP.get()
+    if h is None or not sampled(trace_headers):
+        return
+    if h[0] < render_start:
+        span(SpanName.RECEIVE, h[0], render_start, {Attr.PHASE: Phase.RECEIVE.value}, trace_headers)
