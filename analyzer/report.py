@@ -7,6 +7,8 @@ the key says ``_s`` / ``_ns``:
   tail{quantile, threshold_ms, requests, share{phase|gap_*: share}, slowest[{request_id,trace_id,ttft}]},
   bands[{band, requests, ttft_ms, phases_ms}], critical_path[{band, requests, path_ms{phase: mean ms}}],
   gaps{request{class{...}}, engine{...}},
+  steps{prefill_steps|decode_steps|all{steps, schedule_us_per_step, execute_us_per_step, update_us_per_step,
+        idle_us_per_step, host_share}},
   cold_start[{instance, role, cold_start_s, phases_s, idle_s, idle_share, largest_gap, ...}],
   findings[{kind, severity, size, unit, score, title, evidence}], advice[{because, change, expected_effect, ...}],
   slo{targets_ms, classes, violated[]}, change_points[...], versions[...]
@@ -65,6 +67,9 @@ def analyze(store, window: Window, slo: SLO | None = None,
     report["gaps"] = {"request": request_gaps(df), "engine": bubbles}
     cold = cold_start(store, window, slo.cold_start_s)
     report["cold_start"] = cold
+    from .steps import step_anatomy
+
+    report["steps"] = step_anatomy(store, window)
     prog(4, total, "bottlenecks: detectors and ranking")
     findings = bn.rank(
         bn.phase_dominance(df, slo) + bn.chunk_waits(df) + bn.host_gaps(df) + bn.tokenizer_long_prompts(df)
@@ -119,6 +124,11 @@ def render_text(r: dict, markdown: bool = False) -> str:
         lines.append(h("What to change"))
         for a in r["advice"]:
             lines.append(f"- {a['change']}  (because {a['because']}; expected: {a['expected_effect']})")
+    if (st := r.get("steps", {}).get("all")):
+        lines.append(h("Engine steps"))
+        lines.append(f"{st['steps']:,} steps; per step: schedule {st['schedule_us_per_step']:,.0f} us, execute "
+                     f"{st['execute_us_per_step']:,.0f} us, update {st['update_us_per_step']:,.0f} us, idle "
+                     f"{st['idle_us_per_step']:,.0f} us; engine-core host share {st['host_share']:.0%}")
     if r.get("cold_start"):
         lines.append(h("Cold start"))
         for c in r["cold_start"]:

@@ -129,6 +129,13 @@ class Attr:
     BATCH_SIZE = f"{PREFIX}.batch.size"
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"
+    # a step's anatomy (ns; summed over a merged run): engine-core host time in schedule() and
+    # update_from_output(), the workers' execution (and, with async scheduling, the wait for
+    # it) in between, and the engine loop's idle time since the previous step closed
+    STEP_SCHEDULE_NS = f"{PREFIX}.step.schedule_ns"
+    STEP_EXECUTE_NS = f"{PREFIX}.step.execute_ns"
+    STEP_UPDATE_NS = f"{PREFIX}.step.update_ns"
+    STEP_IDLE_NS = f"{PREFIX}.step.idle_ns"
     RUNNING = f"{PREFIX}.scheduler.running"
     WAITING = f"{PREFIX}.scheduler.waiting"
     ENGINE = f"{PREFIX}.engine"  # which engine core a step, prefill or allreduce belongs to ("engine-<pid>")

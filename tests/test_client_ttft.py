@@ -1,16 +1,20 @@
 """TTFT as the client sees it, checked against the client's own stopwatch on real vLLM.
 
-Two servers (vLLM's defaults, compiled): a clean one, and one with a planted delivery stall
+Three servers (vLLM's defaults, compiled): a clean one; one with a planted delivery stall
 (tests/planted: the API server's event loop blocked 25 ms after every output batch, after
-vLLM's own TTFT clock stopped). The client times every request itself: streaming, until the
-first SSE chunk carrying a token has arrived; non-streaming, until the whole response has.
+vLLM's own TTFT clock stopped); one whose engine is busy (every worker step 30 ms longer, the
+engine core 10 ms longer in update_from_output) while other requests decode. The client
+times every request itself: streaming, until the first SSE chunk carrying a token has
+arrived; non-streaming, until the whole response has.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import random
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -72,11 +76,40 @@ def _drive(srv: VllmServer) -> list[dict]:
     return out
 
 
-def _served(tmp: Path, name: str, env: dict | None = None):
+def _drive_busy(srv: VllmServer) -> list[dict]:
+    """Measured requests at random moments while two other clients keep the engine decoding."""
+    srv.completion("warm up", 2)
+    for stream in (True, False):
+        client_ttft(srv.port, srv.model, "warm up the client", stream)
+    stop = threading.Event()
+
+    def background() -> None:  # streaming clients (a non-streaming one's TTFT is its whole response)
+        while not stop.is_set():
+            srv.stream(prompt_of(30, random.randrange(1000)), max_tokens=40)
+
+    bg = [threading.Thread(target=background, daemon=True) for _ in range(2)]
+    for t in bg:
+        t.start()
+    time.sleep(1.0)
+    rng = random.Random(7)
+    out = []
+    try:
+        for i in range(16):
+            time.sleep(rng.uniform(0.0, 0.08))
+            t, rid = client_ttft(srv.port, srv.model, prompt_of(30, 300 + i), True)
+            out.append({"rid": rid, "client_ms": t * 1e3, "stream": True})
+    finally:
+        stop.set()
+        for t in bg:
+            t.join(60)
+    return out
+
+
+def _served(tmp: Path, name: str, env: dict | None = None, drive=_drive):
     col = CollectorProc(str(tmp / "store"), tmp / "spool").start()
     srv = VllmServer(tmp, col.url + "/v1/traces", run=name, env=env).start()
     try:
-        seen = _drive(srv)
+        seen = drive(srv)
         col.wait_quiet()
     finally:
         srv.stop()
@@ -99,6 +132,20 @@ def clean(tmp_path_factory):
 def stalled(tmp_path_factory):
     return _served(tmp_path_factory.mktemp("stall"), "stall",
                    env={"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)})
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory):
+    return _served(tmp_path_factory.mktemp("busy"), "busy", drive=_drive_busy,
+                   env={"PYTHONPATH": str(PLANTED), "PLANTED_EXECUTE_MS": "30", "PLANTED_UPDATE_MS": "10"})
+
+
+def _analyze(store: str, run: str) -> dict:
+    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
+                        "--run", run, "--slo", "p50=5000,p95=10000,p99=20000"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 def _ms(df: pl.DataFrame, col: str, q: float = 0.5) -> float:
@@ -143,9 +190,28 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(clean, stalled):
     assert abs(deliver_grew - grew) <= 0.35 * grew, (deliver_grew, grew)
     assert _ms(df, "tokenize") < 0.2 * _ms(df, "deliver"), "not blamed on tokenization"
     assert (df["ttft"] - df["ttft_vllm"]).median() / 1e6 >= 0.6 * STALL_MS, "vLLM's own TTFT cannot see it"
-    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
-                        "--run", "stall", "--slo", "p50=5000,p95=10000,p99=20000"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    report = json.loads(r.stdout)
+    report = _analyze(store, "stall")
     kinds = [f["kind"] for f in report["findings"]]
     assert "deliver_dominates" in kinds and "tokenize_dominates" not in kinds, kinds
+
+
+def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_planted_sizes(clean, busy):
+    """Requests that arrive while the engine is in a long step wait for the engine loop: that
+    is intake (with the uniform arrival here, about half a step on average), not a host-side
+    gap. The step anatomy puts the planted 30 ms into execute and the 10 ms into update."""
+    df, store = busy
+    base, base_store = clean
+    report, base_report = _analyze(store, "busy"), _analyze(base_store, "clean")
+    steps, base_steps = report["steps"]["decode_steps"], base_report["steps"]["all"]
+    execute = steps["execute_us_per_step"] - base_steps["execute_us_per_step"]
+    update = steps["update_us_per_step"] - base_steps["update_us_per_step"]
+    assert 0.8 * 30_000 <= execute <= 1.3 * 30_000, steps
+    assert 0.8 * 10_000 <= update <= 1.3 * 10_000, steps
+    assert steps["host_share"] > base_steps["host_share"]
+    period_ms = (steps["schedule_us_per_step"] + steps["execute_us_per_step"] + steps["update_us_per_step"]) / 1e3
+    intake_ms = float(df["intake"].mean()) / 1e6
+    assert 0.25 * period_ms <= intake_ms <= 0.8 * period_ms, (intake_ms, period_ms)
+    assert float(df["gap_host"].mean()) / 1e6 < 0.1 * intake_ms, "not a host-side gap"
+    kinds = {f["kind"]: f["severity"] for f in report["findings"]}
+    assert kinds.get("host_gap") in (None, "low"), kinds
+    assert "intake_dominates" in kinds, kinds

@@ -60,6 +60,7 @@ class DecodeRun:
     running: int
     first: int
     last: int
+    anatomy: list[float]  # schedule, execute, update, idle (seconds, summed)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class EngineState:
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
     lock: threading.Lock = field(default_factory=threading.Lock)
     decode_run: DecodeRun | None = None
+    last_end: float = 0.0  # when the previous step's update_from_output returned
 
 
 ST = EngineState()
@@ -125,8 +127,11 @@ def _install_scheduler() -> None:
 
     @functools.wraps(orig_update)
     def update_from_output(self, scheduler_output, *a, **kw):
-        _on_step_done(ST, self, scheduler_output, time.time())
-        return orig_update(self, scheduler_output, *a, **kw)
+        t_u0 = time.time()
+        try:
+            return orig_update(self, scheduler_output, *a, **kw)
+        finally:
+            _on_step_done(ST, self, scheduler_output, t_u0, time.time())
 
     S.add_request, S.schedule, S.update_from_output = add_request, schedule, update_from_output
 
@@ -217,12 +222,23 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             st.pending.popitem(last=False)
 
 
+def _anatomy_attrs(a: list[float]) -> dict:
+    return {Attr.STEP_SCHEDULE_NS: int(a[0] * 1e9), Attr.STEP_EXECUTE_NS: int(a[1] * 1e9),
+            Attr.STEP_UPDATE_NS: int(a[2] * 1e9), Attr.STEP_IDLE_NS: int(a[3] * 1e9)}
+
+
 @guard("step")
-def _on_step_done(st: EngineState, sched, out, t_end: float) -> None:
+def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None:
+    """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
+    its anatomy is schedule [t0, t1], execute [t1, t_u0] (the workers, and with async
+    scheduling the wait for them), update [t_u0, t_u1], and the idle time since the
+    previous step closed."""
     with st.lock:
         p = st.pending.pop(id(out), None)
+        prev_end, st.last_end = st.last_end, t_u1
     if p is None:
         return
+    anatomy = [p.t1 - p.t0, max(t_u0 - p.t1, 0.0), t_u1 - t_u0, max(p.t0 - prev_end, 0.0) if prev_end else 0.0]
     prefill_tokens = sum(c.tokens for c in p.chunks)
     for c in p.chunks:
         attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: Phase.PREFILL.value, Attr.STEP: p.step, Attr.CHUNK: c.index,
@@ -230,7 +246,7 @@ def _on_step_done(st: EngineState, sched, out, t_end: float) -> None:
                  Attr.ENGINE: st.engine}
         if c.prefix_hash:
             attrs[Attr.PREFIX_HASH] = c.prefix_hash
-        span(SpanName.PREFILL, p.t1, t_end, attrs, c.trace_headers)
+        span(SpanName.PREFILL, p.t1, t_u0, attrs, c.trace_headers)
         req = sched.requests.get(c.req_id)
         if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
             st.chunks.pop(c.req_id, None)
@@ -243,18 +259,20 @@ def _on_step_done(st: EngineState, sched, out, t_end: float) -> None:
         with st.lock:
             r = st.decode_run
             if r is None:
-                st.decode_run = r = DecodeRun(p.t0, t_end, 1, decode, p.running, p.step, p.step)
+                st.decode_run = r = DecodeRun(p.t0, t_u1, 1, decode, p.running, p.step, p.step, anatomy)
             else:
-                r.end, r.steps, r.decode_tokens, r.running, r.last = (t_end, r.steps + 1, r.decode_tokens + decode,
+                r.end, r.steps, r.decode_tokens, r.running, r.last = (t_u1, r.steps + 1, r.decode_tokens + decode,
                                                                        max(r.running, p.running), p.step)
-            full = r.steps >= 512 or t_end - r.start > 1.0
+                r.anatomy = [x + y for x, y in zip(r.anatomy, anatomy, strict=True)]
+            full = r.steps >= 512 or t_u1 - r.start > 1.0
         if full:
             flush_decode_run(st)
         return
     flush_decode_run(st)
-    span(SpanName.STEP, p.t0, t_end, {
+    span(SpanName.STEP, p.t0, t_u1, {
         Attr.STEP: p.step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: decode,
-        Attr.RUNNING: p.running, Attr.WAITING: p.waiting, Attr.BATCH_SIZE: p.batch, Attr.ENGINE: st.engine})
+        Attr.RUNNING: p.running, Attr.WAITING: p.waiting, Attr.BATCH_SIZE: p.batch, Attr.ENGINE: st.engine,
+        **_anatomy_attrs(anatomy)})
 
 
 def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
@@ -265,4 +283,5 @@ def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
         st.decode_run = None
     span(SpanName.STEP, r.start, r.end, {
         Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
-        Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: 0, Attr.ENGINE: st.engine})
+        Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: 0, Attr.ENGINE: st.engine,
+        **_anatomy_attrs(r.anatomy)})

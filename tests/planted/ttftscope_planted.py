@@ -7,6 +7,9 @@ by environment variables, read in the process where the cause belongs:
 * ``PLANTED_DELIVER_STALL_MS``: the API server's event loop is blocked this long after every
   output batch it processes (as a slow detokenizer or a heavy middleware would), i.e. after
   vLLM's own TTFT clock stopped and before the bytes go out.
+* ``PLANTED_EXECUTE_MS``: every worker step takes this much longer (model time).
+* ``PLANTED_UPDATE_MS``: the engine core spends this much longer in ``update_from_output``
+  (engine host overhead per step).
 """
 
 from __future__ import annotations
@@ -17,7 +20,32 @@ import sys
 import time
 
 
+def _slow(cls, name: str, ms: float) -> None:
+    orig = getattr(cls, name)
+    if ms <= 0 or getattr(orig, "_planted", False):
+        return
+
+    @functools.wraps(orig)
+    def slowed(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        time.sleep(ms / 1000)
+        return out
+
+    slowed._planted = True
+    setattr(cls, name, slowed)
+
+
 def register() -> None:
+    execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
+    update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
+    if execute > 0:
+        from vllm.v1.worker import gpu_worker
+
+        _slow(gpu_worker.Worker, "execute_model", execute)  # only workers call it
+    if update > 0:
+        from vllm.v1.core.sched import scheduler
+
+        _slow(scheduler.Scheduler, "update_from_output", update)  # only the engine core calls it
     ms = float(os.environ.get("PLANTED_DELIVER_STALL_MS", "0") or 0)
     if ms <= 0 or "api_server" not in " ".join(sys.argv):
         return

@@ -1,0 +1,46 @@
+"""Step anatomy: where each engine step's time goes (host overhead vs model time).
+
+From the ``ttftscope.step`` spans (one per step; merged runs of decode-only steps carry the
+sums of their steps): engine-core host time in ``schedule()`` and ``update_from_output()``,
+the workers' execution between them (with async scheduling, also the wait for them), and
+the engine loop's idle time since the previous step closed. The first split a vLLM
+performance engineer looks at: a host share of tens of percent means the GPU (or here the
+CPU model) waits on Python.
+"""
+
+from __future__ import annotations
+
+from ttftscope.schemas.vocabulary import Attr, SpanName
+
+from .window import Window
+
+_PARTS = {"schedule": Attr.STEP_SCHEDULE_NS, "execute": Attr.STEP_EXECUTE_NS, "update": Attr.STEP_UPDATE_NS,
+          "idle": Attr.STEP_IDLE_NS}
+
+
+def step_anatomy(store, window: Window) -> dict:
+    """Totals and per-step means (µs) of schedule / execute / update / idle, split into
+    steps that computed prompt tokens and decode-only steps; ``host_share`` is
+    (schedule + update) / (schedule + execute + update)."""
+    cols = ", ".join(f"sum(toUInt64OrZero(SpanAttributes['{k}'])) AS {p}" for p, k in _PARTS.items())
+    df = store.query(f"""
+        SELECT toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']) > 0 AS prefill,
+               sum(greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1)) AS steps, {cols}
+        FROM otel_traces
+        WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()}
+          AND mapContains(SpanAttributes, '{Attr.STEP_SCHEDULE_NS}')
+        GROUP BY prefill""", window.params())
+    out: dict = {}
+    for row in df.iter_rows(named=True):
+        kind = "prefill_steps" if row["prefill"] else "decode_steps"
+        busy = row["schedule"] + row["execute"] + row["update"]
+        out[kind] = {"steps": int(row["steps"]),
+                     **{f"{p}_us_per_step": row[p] / row["steps"] / 1e3 for p in _PARTS},
+                     "host_share": (row["schedule"] + row["update"]) / busy if busy else 0.0}
+    if out:
+        steps = sum(v["steps"] for v in out.values())
+        tot = {p: sum(v[f"{p}_us_per_step"] * v["steps"] for v in out.values()) for p in _PARTS}
+        busy = tot["schedule"] + tot["execute"] + tot["update"]
+        out["all"] = {"steps": steps, **{f"{p}_us_per_step": tot[p] / steps for p in _PARTS},
+                      "host_share": (tot["schedule"] + tot["update"]) / busy if busy else 0.0}
+    return out
