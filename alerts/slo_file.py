@@ -36,7 +36,7 @@ class SLO:
     budget_window: str = "30d"
     alert_for: str = "5m"
     ui_url: str = "http://localhost:8501"
-    runbook_url: str = "https://github.com/ttftscope/ttftscope/blob/main/alerts/RUNBOOK.md"
+    runbook_url: str = ""  # default: the UI's Runbook page, {ui_url}/runbook
     webhook_url: str = "http://127.0.0.1:5001/alerts"
     group_wait: str = "30s"
     collector_max_queue_spans: int = 100_000

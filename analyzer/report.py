@@ -10,7 +10,8 @@ the key says ``_s`` / ``_ns``:
   steps{prefill_steps|decode_steps|all{steps, schedule_us_per_step, execute_us_per_step, update_us_per_step,
         idle_us_per_step, host_share}},
   cold_start[{instance, role, cold_start_s, phases_s, idle_s, idle_share, largest_gap, ...}],
-  findings[{kind, severity, size, unit, score, title, evidence}], advice[{because, change, expected_effect, ...}],
+  findings[{kind, severity, size, unit, score, title, evidence, impact_ms{p50,p95,p99}|null, affected_requests?,
+            impact_at?}] (impact: how much that TTFT percentile drops without the cause; analyzer/impact.py), advice[{because, change, expected_effect, ...}],
   slo{targets_ms, classes, violated[]}, change_points[...], versions[...]
 """
 
@@ -76,6 +77,9 @@ def analyze(store, window: Window, slo: SLO | None = None,
         + bn.allreduce_concurrency(store, window) + bn.cold_start_findings(cold, slo)
         + bn.engine_bubble_findings(bubbles) + bn.load_correlation(df, slo) + bn.version_regression(df)
         + bn.cold_requests(df, cold) + bn.prefix_cache_misses(store, window, float(df["ttft"].sum()) / 1e6 if df.height else None))
+    from .impact import calibrate
+
+    findings = calibrate(findings, df, slo)
     report["findings"] = findings
     prog(5, total, "SLO attainment, change points, advice")
     report["slo"] = attainment(df, slo)
@@ -119,7 +123,10 @@ def render_text(r: dict, markdown: bool = False) -> str:
         lines.append("no findings: nothing stands out")
     for i, f in enumerate(r["findings"], 1):
         ids = f["evidence"].get("request_ids") or f["evidence"].get("trace_ids") or []
-        lines.append(f"{i}. [{f['severity'].upper()}] {f['title']}" + (f"  e.g. {', '.join(map(str, ids[:3]))}" if ids else ""))
+        imp = f.get("impact_ms")
+        cost = (f"  (costs {imp['p50']:,.1f} ms at p50, {imp['p99']:,.1f} ms at p99)" if imp else "")
+        lines.append(f"{i}. [{f['severity'].upper()}] {f['title']}{cost}"
+                     + (f"  e.g. {', '.join(map(str, ids[:3]))}" if ids else ""))
     if r.get("advice"):
         lines.append(h("What to change"))
         for a in r["advice"]:

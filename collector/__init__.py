@@ -1,1 +1,2 @@
-"""Getting spans in: the OTLP/HTTP collector service and (later) the vLLM plugin."""
+"""Getting spans in: the OTLP/HTTP collector service (``server``, ``otlp``, ``spool``,
+``pipeline``, ``service``, metrics) and the vLLM plugin (``vllm_plugin``, ``otel_setup``)."""

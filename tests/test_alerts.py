@@ -56,6 +56,34 @@ def test_promtool_checks_and_unit_tests_pass(generated):
         assert needed in {a["alert"] for a in alerts}
 
 
+def test_every_generated_link_resolves_to_a_page_and_section_the_ui_serves(generated, monkeypatch):
+    """runbook_url -> the UI's Runbook page and the alert's own section; dashboard -> a UI page.
+    The page list comes from the UI's app.py, the sections from rendering the Runbook page."""
+    import re
+    from urllib.parse import urlsplit
+
+    from streamlit.testing.v1 import AppTest
+
+    pages = set(re.findall(r'url_path="([^"]+)"', (ROOT / "dashboards" / "ui" / "app.py").read_text()))
+    monkeypatch.setenv("TTFTSCOPE_SLO_FILE", str(EXAMPLE))
+    at = AppTest.from_file(str(ROOT / "dashboards" / "ui" / "views" / "runbook.py"), default_timeout=60)
+    at.run()
+    assert not at.exception
+    rendered = "\n".join(m.value for m in at.markdown)
+    sections = {ln[3:].strip().lower() for ln in rendered.splitlines() if ln.startswith("## ")}
+    assert sections == {ln[3:].strip().lower() for ln in (generated / "RUNBOOK.md").read_text().splitlines()
+                        if ln.startswith("## ")}, "the UI serves the runbook that was generated"
+    rules = yaml.safe_load((generated / "ttftscope-rules.yml").read_text())
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    for a in alerts:
+        rb, dash = urlsplit(a["annotations"]["runbook_url"]), urlsplit(a["annotations"]["dashboard"])
+        assert rb.path.strip("/") == "runbook" and rb.path.strip("/") in pages, a["annotations"]["runbook_url"]
+        assert rb.fragment == a["alert"].lower() and rb.fragment in sections, (a["alert"], rb.fragment)
+        assert dash.path.strip("/") in pages, (a["alert"], a["annotations"]["dashboard"])
+    for link in re.findall(r"\]\((http[^)]+)\)", rendered):  # the runbook's own links
+        assert urlsplit(link).path.strip("/") in pages, link
+
+
 def test_unit_tests_catch_a_broken_rule(generated, tmp_path):
     """The generated tests can fail: make every threshold 1000x laxer and they must."""
     import re

@@ -38,24 +38,32 @@ def stores(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scenario", [s for s in synth.SCENARIOS if s != "baseline"])
-def test_top_finding_is_the_planted_cause_with_its_size(stores, scenario):
+def test_planted_cause_is_found_with_its_size_and_ranked_by_what_it_costs(stores, scenario):
+    """The planted cause is found with its size; findings are ranked by their TTFT impact, so
+    anything ranked above it costs at least as much at the SLO's tightest percentile."""
     st, truth = stores[scenario]
     report = Analyzer(st).analyze(WIN)
-    top = report["findings"][0]
-    assert top["kind"] == truth["cause"], [f["title"] for f in report["findings"]]
-    assert top["severity"] == "high"
+    kinds = [f["kind"] for f in report["findings"]]
+    assert truth["cause"] in kinds, [f["title"] for f in report["findings"]]
+    i = kinds.index(truth["cause"])
+    f = report["findings"][i]
     planted = _planted_size(truth)
-    assert top["size"] == pytest.approx(planted, rel=0.10), (top["title"], planted)
-    ev = top["evidence"]
+    assert f["size"] == pytest.approx(planted, rel=0.10), (f["title"], planted)
+    ev = f["evidence"]
     assert ev.get("request_ids") or ev.get("trace_ids"), "every finding links to requests or traces"
-    assert report["advice"] and report["advice"][0]["finding"] == truth["cause"]
+    if f.get("impact_ms") is not None:
+        q = f["impact_at"]
+        assert f["impact_ms"][q] > 0 and f["affected_requests"] > 0
+        for above in report["findings"][:i]:
+            assert above["severity"] != f["severity"] or above["impact_ms"] is None or \
+                above["impact_ms"][q] >= f["impact_ms"][q] - 0.5, (above["title"], f["title"])
 
 
-def test_clean_baseline_has_no_high_severity_finding(stores):
+def test_clean_baseline_has_no_finding_above_low(stores):
     st, _ = stores["baseline"]
     report = Analyzer(st).analyze(WIN)
     assert report["requests"] == N
-    assert [f for f in report["findings"] if f["severity"] == "high"] == []
+    assert [f["title"] for f in report["findings"] if f["severity"] != "low"] == []
     assert not report["slo"]["violated"]
 
 
@@ -241,8 +249,9 @@ def test_slow_first_requests_after_start_are_found_and_warmup_advised(tmp_path):
     st.insert_spans(pa.concat_tables(tables), "cold")
     r = Analyzer(st).analyze(WIN)
     f = next(x for x in r["findings"] if x["kind"] == "cold_requests")
-    assert f["severity"] == "high" and len(f["evidence"]["request_ids"]) == 5
-    assert any(a["finding"] == "cold_requests" for a in r["advice"])
+    assert len(f["evidence"]["request_ids"]) == 5 and f["affected_requests"] == 5
+    # 5 of 2000 requests do not move p50/p99: the cost is real but small against the SLO
+    assert f["impact_ms"]["p50"] < 1 and f["severity"] == "low"
     # and the clean baseline (no slow first requests) does not claim it
     clean, _ = synth.generate(sc, 2000, seed=21)
     st2 = open_store(str(tmp_path / "s2"))

@@ -107,13 +107,15 @@ def _drive_busy(srv: VllmServer) -> list[dict]:
 
 def _served(tmp: Path, name: str, env: dict | None = None, drive=_drive):
     col = CollectorProc(str(tmp / "store"), tmp / "spool").start()
-    srv = VllmServer(tmp, col.url + "/v1/traces", run=name, env=env).start()
     try:
-        seen = drive(srv)
-        col.wait_quiet()
+        srv = VllmServer(tmp, col.url + "/v1/traces", run=name, env=env).start()
+        try:
+            seen = drive(srv)
+            col.wait_quiet()
+        finally:
+            srv.stop()
     finally:
-        srv.stop()
-    assert col.terminate() == 0
+        assert col.terminate() == 0
     df = decompose(open_store(col.store, create=False), Window.last(3600, run=name))
     mine = pl.DataFrame(seen)
     # the decomposition's request id is the engine's (a -0 suffix on completions)
@@ -215,3 +217,17 @@ def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_plante
     kinds = {f["kind"]: f["severity"] for f in report["findings"]}
     assert kinds.get("host_gap") in (None, "low"), kinds
     assert "intake_dominates" in kinds, kinds
+
+
+def test_a_quiet_healthy_server_gets_no_finding_above_low(clean):
+    """Light load far inside the default SLO: whatever a detector notices costs a few ms."""
+    _, store = clean
+    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
+                        "--run", "clean"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    report = json.loads(r.stdout)
+    assert not report["slo"]["violated"]
+    loud = [(f["severity"], f["title"], f.get("impact_ms")) for f in report["findings"] if f["severity"] != "low"]
+    assert loud == [], loud
+    for f in report["findings"]:
+        if f.get("impact_ms") is not None:
+            assert f["impact_ms"]["p99"] <= report["ttft_ms"]["p99"], f

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ttftscope.schemas.store import open_store
 APP = str(ROOT / "dashboards" / "ui" / "app.py")
 PAGES = ["views/breakdown.py", "views/requests.py", "views/gaps.py", "views/compare.py", "views/coldstart.py",
          "views/alerts.py"]
-ARTIFACTS = ROOT / "artifacts" / "ui"
+ARTIFACTS = Path(os.environ.get("TTFTSCOPE_TEST_ARTIFACTS", tempfile.gettempdir())) / "ttftscope-ui-screenshots"
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,7 @@ def test_every_page_in_a_real_headless_chromium(filled):
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         driver = _chrome()
         try:
-            for path in ("overview", "breakdown", "requests", "gaps", "compare", "coldstart", "alerts"):
+            for path in ("overview", "breakdown", "requests", "gaps", "compare", "coldstart", "alerts", "runbook"):
                 driver.get(f"http://127.0.0.1:{port}/{path}")
                 wait_rendered(driver)
                 shot = ARTIFACTS / f"{path}.png"
@@ -176,8 +177,15 @@ def test_every_page_in_a_real_headless_chromium(filled):
         finally:
             driver.quit()
     finally:
-        os.killpg(proc.pid, 15)
+        import psutil
+
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(15)  # SIGTERM to `ttftscope ui` only: it must take Streamlit down with it
         proc.wait(30)
+        gone, alive = psutil.wait_procs(kids, timeout=30)
+        for k in alive:
+            k.kill()
+        assert not alive, "stopping `ttftscope ui` left its Streamlit child running"
     assert Path(ARTIFACTS / "overview.png").exists()
 
 

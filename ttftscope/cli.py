@@ -531,7 +531,8 @@ def ui_command(store_url: str, port: int, host: str = "127.0.0.1") -> tuple[list
 
     app = Path(ui_pkg.__file__).with_name("app.py")
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(port), "--server.address", host,
-           "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+           "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+           "--client.toolbarMode", "minimal"]  # no developer toolbar / Deploy button for viewers
     return cmd, {**os.environ, "TTFTSCOPE_STORE": store_url}
 
 
@@ -547,10 +548,21 @@ def cmd_ui(a) -> int:
     from ttftscope.schemas.store import redact_url
 
     print(f"ttftscope UI on http://{a.host}:{a.port} (store {redact_url(url)}); Ctrl-C stops it", flush=True)
+    import signal
+
+    child = subprocess.Popen(cmd, env=env)
+
+    def _stop(signum, _frame) -> None:  # SIGTERM/SIGINT stop Streamlit too, not just us
+        child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
-        return subprocess.call(cmd, env=env)
+        rc = child.wait()
     except KeyboardInterrupt:
-        return 0
+        child.terminate()
+        rc = child.wait(30)
+    return 0 if rc in (0, -signal.SIGTERM) else rc
 
 
 def cmd_demo(a) -> int:

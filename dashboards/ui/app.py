@@ -12,5 +12,6 @@ pages = [
     st.Page("views/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
     st.Page("views/coldstart.py", title="Cold start", icon=":material/ac_unit:", url_path="coldstart"),
     st.Page("views/alerts.py", title="Alerts", icon=":material/notifications_active:", url_path="alerts"),
+    st.Page("views/runbook.py", title="Runbook", icon=":material/menu_book:", url_path="runbook"),
 ]
 st.navigation(pages).run()

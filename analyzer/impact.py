@@ -1,0 +1,109 @@
+"""Impact: how much TTFT a finding's cause costs, and the severity that follows from it.
+
+For a finding whose cause is time inside requests (a phase, a class of gap, the first
+requests after a start), the counterfactual is computed in polars over the per-request
+decomposition: each request's TTFT with the cause's time removed (or replaced by its healthy
+baseline, the phase's 10th percentile), then ``impact_ms[q] = p_q(TTFT) - p_q(TTFT without
+the cause)`` for p50, p95 and p99, with the requests it touches.
+
+Severity then comes from that impact against the SLO, at the percentile the SLO is tightest
+on (the largest measured/target ratio): **high** when removing the cause would bring a
+violated target back within it, or the impact is at least a quarter of the target;
+**medium** from a tenth of the target; otherwise **low** — a cause that costs a few
+milliseconds on a server far inside its SLO is at most low. A detector's own verdict can
+only be lowered by this, never raised. Within a severity, findings are ranked by impact at
+that percentile; at equal impact a specific cause (super-linear tokenization) goes before the
+phase it inflates (tokenization dominates); findings without a per-request impact (cold
+start, regressions) follow by their detector's score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import polars as pl
+
+from .slo import _Q, SLO
+
+QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
+_ORDER = {"high": 0, "medium": 1, "low": 2}
+
+
+def _excess(col: str) -> pl.Expr:
+    """Time above the phase's healthy baseline (its 10th percentile over the window)."""
+    return (pl.col(col) - pl.col(col).quantile(0.1, "lower")).clip(lower_bound=0)
+
+
+def _phase(col: str) -> Callable[[dict], pl.Expr]:
+    # queueing has a healthy baseline of zero; other phases keep what they cost when healthy
+    return (lambda f: pl.col(col)) if col == "queue" else (lambda f: _excess(col))
+
+
+def _first_requests(f: dict) -> pl.Expr:
+    ids = f["evidence"].get("trace_ids") or []
+    return pl.when(pl.col("trace_id").is_in(ids)).then(
+        (pl.col("ttft") - pl.col("ttft").filter(~pl.col("trace_id").is_in(ids)).median()).clip(lower_bound=0)
+    ).otherwise(0)
+
+
+#: finding kind -> the time (ns per request) its cause adds, as a polars expression
+REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
+    **{f"{p}_dominates": _phase(p) for p in ("receive", "tokenize", "intake", "deliver", "load")},
+    "queue_dominates": _phase("queue"),
+    "chunk_wait": lambda f: pl.col("gap_chunk_wait"),
+    "host_gap": lambda f: pl.col("gap_host"),
+    "tokenizer_long_prompts": lambda f: _excess("tokenize"),
+    "allreduce_concurrency": lambda f: _excess("allreduce"),
+    "cold_requests": _first_requests,
+}
+
+
+def impact_ms(df: pl.DataFrame, removed: pl.Expr) -> tuple[dict[str, float], int]:
+    """({p50, p95, p99: ms the percentile drops without the cause}, requests touched)."""
+    d = df.select(pl.col("ttft"), removed.cast(pl.Int64).fill_null(0).clip(lower_bound=0).alias("_r"))
+    d = d.with_columns((pl.col("ttft") - pl.min_horizontal(pl.col("_r"), pl.col("ttft"))).alias("_cf"))
+    out = {}
+    for name, q in QUANTILES.items():
+        out[name] = max(float(d["ttft"].quantile(q, "linear")) - float(d["_cf"].quantile(q, "linear")), 0.0) / 1e6
+    return out, int((d["_r"] > 0).sum())
+
+
+def tightest(df: pl.DataFrame, slo: SLO) -> tuple[str, float, float]:
+    """(quantile, target ms, measured ms) where measured/target is largest."""
+    best = None
+    for q, target in slo.ttft_ms.items():
+        measured = float(df["ttft"].quantile(_Q[q], "linear")) / 1e6
+        if best is None or measured / target > best[2] / best[1]:
+            best = (q, target, measured)
+    return best
+
+
+def calibrate(findings: list[dict], df: pl.DataFrame, slo: SLO) -> list[dict]:
+    """Add ``impact_ms`` and ``affected_requests`` to every finding whose cause is time in
+    requests, cap its severity by that impact against the SLO, rank by impact at the SLO's
+    tightest percentile."""
+    if df.height == 0:
+        return findings
+    q, target, measured = tightest(df, slo)
+    qk = q if q in QUANTILES else "p99"
+    for f in findings:
+        fn = REMOVED.get(f["kind"])
+        if fn is None:
+            f["impact_ms"] = None
+            continue
+        imp, n = impact_ms(df, fn(f))
+        f["impact_ms"], f["affected_requests"] = imp, n
+        f["impact_at"] = qk
+        i = imp[qk]
+        fixes = measured > target and measured - i <= target
+        by_impact = "high" if fixes or i >= 0.25 * target else "medium" if i >= 0.1 * target else "low"
+        if _ORDER[by_impact] > _ORDER[f["severity"]]:
+            f["evidence"]["severity_by_detector"] = f["severity"]
+            f["severity"] = by_impact
+    def key(f: dict):
+        imp = f.get("impact_ms")
+        # equal impact (within half a ms): a specific cause before the phase it inflates
+        return (_ORDER[f["severity"]], -round(imp[qk] * 2) / 2 if imp else 0.0,
+                f["kind"].endswith("_dominates"), -f["score"])
+
+    return sorted(findings, key=key)
