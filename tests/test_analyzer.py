@@ -13,7 +13,12 @@ from ttftscope.analyzer.decompose import GAP_COLUMNS, PHASE_COLUMNS, decompose
 from ttftscope.schemas.store import open_store
 
 N = 4000
-WIN = Window.last(6 * 3600)
+
+
+def win() -> Window:
+    """The last 6 h, as of now (not as of collection: synth data ends a minute before it is
+    written, which in a long run is well after the test module was imported)."""
+    return Window.last(6 * 3600)
 
 
 def _planted_size(truth: dict) -> float:
@@ -42,7 +47,7 @@ def test_planted_cause_is_found_with_its_size_and_ranked_by_what_it_costs(stores
     """The planted cause is found with its size; findings are ranked by their TTFT impact, so
     anything ranked above it costs at least as much at the SLO's tightest percentile."""
     st, truth = stores[scenario]
-    report = Analyzer(st).analyze(WIN)
+    report = Analyzer(st).analyze(win())
     kinds = [f["kind"] for f in report["findings"]]
     assert truth["cause"] in kinds, [f["title"] for f in report["findings"]]
     i = kinds.index(truth["cause"])
@@ -61,7 +66,7 @@ def test_planted_cause_is_found_with_its_size_and_ranked_by_what_it_costs(stores
 
 def test_clean_baseline_has_no_finding_above_low(stores):
     st, _ = stores["baseline"]
-    report = Analyzer(st).analyze(WIN)
+    report = Analyzer(st).analyze(win())
     assert report["requests"] == N
     assert [f["title"] for f in report["findings"] if f["severity"] != "low"] == []
     assert not report["slo"]["violated"]
@@ -70,7 +75,7 @@ def test_clean_baseline_has_no_finding_above_low(stores):
 @pytest.mark.parametrize("scenario", list(synth.SCENARIOS))
 def test_decomposition_sums_exactly_to_measured_ttft(stores, scenario):
     st, truth = stores[scenario]
-    df = decompose(st, WIN)
+    df = decompose(st, win())
     assert df.height == N
     diff = df.select((sum(pl.col(c) for c in PHASE_COLUMNS) - pl.col("ttft")).abs().max()).item()
     assert diff == 0
@@ -81,21 +86,21 @@ def test_decomposition_sums_exactly_to_measured_ttft(stores, scenario):
 
 def test_tail_queue_share_matches_planted(stores):
     st, truth = stores["queue-surge"]
-    r = Analyzer(st).analyze(WIN)
+    r = Analyzer(st).analyze(win())
     assert r["tail"]["share"]["queue"] == pytest.approx(truth["tail_share"]["queue"], rel=0.05)
     assert r["slo"]["violated"], "a queue surge breaks the default p99 target"
 
 
 def test_regression_change_point_at_the_version_switch(stores):
     st, truth = stores["regression"]
-    r = Analyzer(st).analyze(WIN)
+    r = Analyzer(st).analyze(win())
     at = truth["regression"]["at_ns"]
     assert any(abs(c["at_ns"] - at) <= 3 * 60 * 10**9 for c in r["change_points"]), (r["change_points"], at)
 
 
 def test_cold_start_split_into_phases(stores):
     st, truth = stores["cold-start-gap"]
-    cold = Analyzer(st).analyze(WIN)["cold_start"]
+    cold = Analyzer(st).analyze(win())["cold_start"]
     assert {c["instance"] for c in cold} == set(truth["cold_start"])
     for c in cold:
         t = truth["cold_start"][c["instance"]]
@@ -119,7 +124,7 @@ def test_stock_vllm_spans_only_give_the_coarse_split(tmp_path):
                    "toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_model_prefill']) AS p, "
                    "toFloat64OrZero(SpanAttributes['gen_ai.latency.time_to_first_token']) AS t, "
                    "SpanAttributes['gen_ai.request.id'] AS request_id FROM otel_traces")
-    df = decompose(st, WIN).join(raw, on="request_id")
+    df = decompose(st, win()).join(raw, on="request_id")
     assert df.height == 500 and df["coarse"].all()
     assert (df["queue"] - (df["q"] * 1e9).round()).abs().max() <= 1
     assert (df["prefill"] + df["allreduce"] - (df["p"] * 1e9).round()).abs().max() <= 1
@@ -160,10 +165,10 @@ def test_injected_gap_is_found_at_the_right_place(tmp_path):
     st = open_store(str(tmp_path / "s"))
     for i, t in enumerate(out):
         st.insert_spans(t, f"g{i}")
-    df = decompose(st, WIN)
+    df = decompose(st, win())
     row = df.filter(pl.col("trace_id") == victim).row(0, named=True)
     assert row["gap_host"] == pytest.approx(80_000_000 + 200_000, abs=150_000)  # planted hole + normal IPC gap
-    r = Analyzer(st).analyze(WIN)
+    r = Analyzer(st).analyze(win())
     top_host = r["gaps"]["request"]["host"]["top"][0]
     assert top_host["trace_id"] == victim
 
@@ -177,8 +182,8 @@ def test_analyze_on_the_clickhouse_server_path_gives_the_same_answer(clickhouse,
     from ttftscope.schemas.columns import ARROW_SCHEMA
 
     st.insert_spans(rows.cast(ARROW_SCHEMA), "copy")
-    a = Analyzer(st_emb).analyze(WIN)
-    b = Analyzer(st).analyze(WIN)
+    a = Analyzer(st_emb).analyze(win())
+    b = Analyzer(st).analyze(win())
     assert b["requests"] == a["requests"] == N
     assert [f["kind"] for f in b["findings"]] == [f["kind"] for f in a["findings"]]
     assert b["findings"][0]["size"] == pytest.approx(a["findings"][0]["size"], rel=1e-9)
@@ -247,7 +252,7 @@ def test_slow_first_requests_after_start_are_found_and_warmup_advised(tmp_path):
     import pyarrow as pa
 
     st.insert_spans(pa.concat_tables(tables), "cold")
-    r = Analyzer(st).analyze(WIN)
+    r = Analyzer(st).analyze(win())
     f = next(x for x in r["findings"] if x["kind"] == "cold_requests")
     assert len(f["evidence"]["request_ids"]) == 5 and f["affected_requests"] == 5
     # 5 of 2000 requests do not move p50/p99: the cost is real but small against the SLO
@@ -256,7 +261,7 @@ def test_slow_first_requests_after_start_are_found_and_warmup_advised(tmp_path):
     clean, _ = synth.generate(sc, 2000, seed=21)
     st2 = open_store(str(tmp_path / "s2"))
     st2.insert_spans(pa.concat_tables(clean), "clean")
-    assert not [x for x in Analyzer(st2).analyze(WIN)["findings"] if x["kind"] == "cold_requests"]
+    assert not [x for x in Analyzer(st2).analyze(win())["findings"] if x["kind"] == "cold_requests"]
 
 
 def test_critical_path_walks_back_through_every_chunk_and_tolerates_skew(stores):
@@ -264,9 +269,9 @@ def test_critical_path_walks_back_through_every_chunk_and_tolerates_skew(stores)
     from ttftscope.analyzer.critical_path import request_phase_spans, walk_back
 
     st, truth = stores["chunk-starvation"]
-    spans = request_phase_spans(st, WIN)
+    spans = request_phase_spans(st, win())
     path = walk_back(spans)
-    df = decompose(st, WIN)
+    df = decompose(st, win())
     # sequential phases: the path holds every span of the request, last first, deliver at step 0
     per = path.group_by("trace_id").agg(pl.len().alias("n"), pl.col("phase").sort_by("step").first().alias("last"))
     n_spans = spans.filter(pl.col("en").clip(upper_bound=pl.col("ttft")) > pl.col("st").clip(lower_bound=0)) \
@@ -282,7 +287,7 @@ def test_critical_path_walks_back_through_every_chunk_and_tolerates_skew(stores)
                                 .otherwise(pl.col("st")).alias("st"))
     p2 = walk_back(skewed)
     assert p2.filter(pl.col("step") == 0)["phase"].eq("deliver").mean() > 0.99
-    r = Analyzer(st).analyze(WIN)
+    r = Analyzer(st).analyze(win())
     assert [b["band"] for b in r["critical_path"]] == ["≤p50", "p50–p95", "p95–p99", "≥p99"]
 
 
@@ -296,7 +301,7 @@ def test_shared_prefixes_without_cache_hits_advise_prefix_caching(tmp_path, cach
     tables, _ = synth.generate(sc, 1500, seed=31, params=replace(sc.params, shared_prefix_frac=0.6, prefix_cache=cache))
     st = open_store(str(tmp_path / "s"))
     st.insert_spans(pa.concat_tables(tables), "p")
-    r = Analyzer(st).analyze(WIN)
+    r = Analyzer(st).analyze(win())
     found = [f for f in r["findings"] if f["kind"] == "prefix_cache_misses"]
     if cache:
         assert not found, "prefix caching that hits is not a finding"

@@ -97,7 +97,11 @@ def test_server_killed_mid_profile_is_reported_and_collected_data_kept(served, t
     prof.write_text("name: long\nrequest_rate: 4\nnum_prompts: 200\ninput_len: 128\noutput_len: 8\n")
     p = subprocess.Popen([PY, "-m", "ttftscope", "run", "--store", col.store, "--server", srv.url, "--profile", str(prof)],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(12)
+    deadline = time.monotonic() + 300  # until requests of the profile have reached the store, then kill
+    while time.monotonic() < deadline and p.poll() is None:
+        if int(ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'llm_request'")[0]["n"]):
+            break
+        time.sleep(1)
     os.killpg(srv.proc.pid, signal.SIGKILL)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 3, (out[-1500:], err[-1500:])

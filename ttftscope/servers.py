@@ -148,6 +148,8 @@ def vllm(model: str, endpoint: str, run: str, workdir: Path, *, tp: int = 1, por
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        if not kw.get("eager"):  # a compiled model's collectives are seen through sampled profiler windows
+            env.setdefault("TTFTSCOPE_PROFILE_EVERY", "8")
     c = Child(vllm_args(model, port, tp=tp, **kw), workdir / f"vllm-{port}.log", env=env, cwd=str(workdir)).start()
     url = f"http://127.0.0.1:{port}"
     c.wait_http(url + "/health", timeout, "the vLLM server")

@@ -9,8 +9,9 @@ phases that vLLM's own window does not see:
 
 * ``receive``: request received -> rendering starts (body read, JSON parse, validation,
   middleware, routing), emitted with the tokenize span;
-* ``deliver``: the engine's first token produced -> those bytes written (IPC back, output
-  processing, detokenize, serialise, event-loop wait, socket write). Whichever of the two
+* ``deliver``: the engine's first token produced -> those bytes handed to the server's
+  transport (taken just before the ASGI ``send``, which writes synchronously; IPC back, output
+  processing, detokenize, serialise, event-loop wait). Whichever of the two
   ends learns its time last (the output processor at request finish, the middleware at the
   first bytes) emits it, through a small bounded rendezvous keyed by trace id.
 
@@ -155,10 +156,13 @@ class ClientTTFTMiddleware:
                             st["rid"] = head[i + 5:].split(b'"')[1].decode(errors="replace")
             except Exception:  # noqa: BLE001 - never let tracing hurt a response
                 first = not more
+            # the server writes to the transport synchronously inside send(); the time after
+            # it returns may include other tasks the event loop ran first
+            t_write = time.time()
             r = await send(msg)
             if first:
                 st["done"] = True
-                _on_first_bytes(t_recv, time.time(), tp, st, scope.get("path", ""))
+                _on_first_bytes(t_recv, t_write, tp, st, scope.get("path", ""))
             return r
 
         try:
