@@ -13,7 +13,6 @@ protobuf (~20 us a span; an SDK span costs ~20 us to build and ~25 us more to en
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -23,20 +22,6 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("vllm.ttftscope")
-
-DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"
-
-
-def traces_endpoint() -> str:
-    """OTLP/HTTP traces endpoint: TTFTSCOPE_ENDPOINT, else the standard OTEL_* variables."""
-    if v := os.environ.get("TTFTSCOPE_ENDPOINT"):
-        return v
-    if v := os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        return v
-    if v := os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return v.rstrip("/") + "/v1/traces"
-    return DEFAULT_ENDPOINT
-
 
 def _any_value(v):
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue

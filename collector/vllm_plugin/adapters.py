@@ -17,10 +17,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ttftscope.schemas.vocabulary import ProcessRole
+
 log = logging.getLogger("vllm.ttftscope")
 
 #: the vLLM releases these adapters were written against and tested with
 KNOWN_VLLM = ("0.32",)
+#: the processes each adapter family runs in (``other``: an offline LLM, all in one process)
+FRONTEND = frozenset({ProcessRole.API_SERVER.value, ProcessRole.OTHER.value})
+ENGINE = frozenset({ProcessRole.ENGINE_CORE.value, ProcessRole.OTHER.value})
+WORKER = frozenset({ProcessRole.WORKER.value, ProcessRole.OTHER.value})
 
 
 @dataclass(frozen=True)

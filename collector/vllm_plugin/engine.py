@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 
 from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, ProcessRole, SpanName
 
-from .adapters import Internal, adapter
+from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready
 from .runtime import at_exit, ext_id, guard, log, sampled, span
 
-ENGINE = {ProcessRole.ENGINE_CORE.value, ProcessRole.OTHER.value}
 _SCHED = "vllm.v1.core.sched.scheduler"
 _REQ = "vllm.v1.request"
 
@@ -164,10 +163,10 @@ def _on_add(st: EngineState, request) -> None:
         st.queued[request.request_id] = now
         while len(st.queued) > 100_000:  # bounded even if requests vanish
             st.queued.popitem(last=False)
-    try:  # intake: the API server's handoff -> the scheduler has it (IPC + waiting for the engine loop)
-        sent = float(th.get(HANDOFF_HEADER, ""))
-    except ValueError:
+    sent = th.get(HANDOFF_HEADER)  # set by the API server's trace-context adapter
+    if sent is None:
         return
+    sent = float(sent)  # intake: the API server's handoff -> the scheduler has it (IPC + engine loop wait)
     if sent < now:
         span(SpanName.INTAKE, sent, now, {Attr.REQUEST_ID: ext_id(request), Attr.PHASE: Phase.INTAKE.value}, th)
 

@@ -7,12 +7,11 @@ import contextvars
 import functools
 import time
 
-from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, ProcessRole, SpanName
+from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, SpanName
 
-from .adapters import Internal, adapter
+from .adapters import FRONTEND, Internal, adapter
+from .http import ACTIVE, RDV, emit_deliver, emit_receive, trace_id_of
 from .runtime import MONO_TO_WALL, RT, guard, log, new_traceparent, sampled, span
-
-FRONTEND = {ProcessRole.API_SERVER.value, ProcessRole.OTHER.value}
 
 _RENDER: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("ttftscope_render", default=None)
 
@@ -91,8 +90,6 @@ def _emit_tokenize(trace_headers) -> None:
         return
     _RENDER.set(None)
     span(SpanName.TOKENIZE, r[0], r[1], {Attr.PHASE: Phase.TOKENIZE.value}, trace_headers)
-    from .http import emit_receive
-
     emit_receive(r[0], trace_headers)
 
 
@@ -128,11 +125,9 @@ def _emit_output(engine_core_output, req_state) -> None:
     m = req_state.stats
     if not m.first_token_ts:
         return
-    from .http import ACTIVE, RDV, _emit_deliver, trace_id_of
-
     produced = m.first_token_ts + MONO_TO_WALL  # engine clock (monotonic) -> wall, same host
     handled = m.arrival_time + m.first_token_latency  # the output processor had it: vLLM's TTFT ends
     if ACTIVE[0]:  # the client-TTFT middleware knows when the bytes were written
         RDV.on_produced(trace_id_of(th.get("traceparent", "")), produced, handled, req_state.external_req_id, th)
     else:
-        _emit_deliver(produced, handled, handled, req_state.external_req_id, th)
+        emit_deliver(produced, handled, handled, req_state.external_req_id, th)

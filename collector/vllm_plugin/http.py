@@ -31,8 +31,7 @@ from collections import OrderedDict
 import orjson
 from ttftscope.schemas.vocabulary import Attr, Phase, SpanName
 
-from .adapters import Internal, adapter
-from .frontend import FRONTEND
+from .adapters import FRONTEND, Internal, adapter
 from .runtime import guard, log, new_traceparent, sampled, span
 
 #: (received at, traceparent) of the HTTP request this task serves
@@ -62,7 +61,7 @@ class Rendezvous:
             if w is None:
                 self._put(self.produced, trace_id, (produced, handled, request_id, headers), self.cap)
                 return
-        _emit_deliver(produced, handled, w, request_id, headers)
+        emit_deliver(produced, handled, w, request_id, headers)
 
     def on_written(self, trace_id: str, written: float) -> None:
         with self.lock:
@@ -70,14 +69,14 @@ class Rendezvous:
             if p is None:
                 self._put(self.written, trace_id, written, self.cap)
                 return
-        _emit_deliver(p[0], p[1], written, p[2], p[3])
+        emit_deliver(p[0], p[1], written, p[2], p[3])
 
 
 RDV = Rendezvous()
 ACTIVE = [False]  # the middleware is installed: deliver ends at the bytes written
 
 
-def _emit_deliver(produced: float, handled: float, written: float, request_id: str, headers: dict) -> None:
+def emit_deliver(produced: float, handled: float, written: float, request_id: str, headers: dict) -> None:
     end = max(written, handled)
     span(SpanName.DELIVER, min(produced, end), end,
          {Attr.REQUEST_ID: request_id, Attr.PHASE: Phase.DELIVER.value,

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 
 from ttftscope.schemas.vocabulary import Attr, Phase, ProcessRole, SpanName
 
-from .adapters import Internal, adapter
+from .adapters import WORKER, Internal, adapter
 from .coldstart import emit_process_ready
 from .runtime import RT, guard, log, span
 
-WORKER = {ProcessRole.WORKER.value, ProcessRole.OTHER.value}
 _GPU_WORKER = "vllm.v1.worker.gpu_worker"
 _CPU_COMM = "vllm.distributed.device_communicators.cpu_communicator"
 _CUDA_COMM = "vllm.distributed.device_communicators.cuda_communicator"

@@ -130,24 +130,15 @@ class EmbeddedStore(Store):
         garbage_grace_s: float = 60.0,
         orphan_age_s: float = 3600.0,
     ) -> None:
-        self.root = Path(path).expanduser().absolute()
-        if _BAD_PATH_CHARS.search(str(self.root)):
+        root = Path(path).expanduser().absolute()
+        if _BAD_PATH_CHARS.search(str(root)):
             raise StoreError(
-                f"embedded store path {str(self.root)!r} contains one of * ? {{ }} [ ] ' \\ , "
+                f"embedded store path {str(root)!r} contains one of * ? {{ }} [ ] ' \\ , "
                 "which ClickHouse file globs cannot escape; choose another directory"
             )
-        self.url = str(self.root)
-        self.parts_dir = self.root / TRACES
-        self.manifest_path = self.root / "manifest.json"
-        self.row_group_size = row_group_size
-        self.merge_factor = merge_factor
-        self.max_level = max_level
-        self.max_part_rows = max_part_rows
-        self.token_window = token_window
-        self.garbage_grace_s = garbage_grace_s
-        self.orphan_age_s = orphan_age_s
-        self._db = "store_" + uuid.uuid4().hex[:12]
-        self._view_key: tuple | None = None
+        self._setup(root, row_group_size=row_group_size, merge_factor=merge_factor, max_level=max_level,
+                    max_part_rows=max_part_rows, token_window=token_window, garbage_grace_s=garbage_grace_s,
+                    orphan_age_s=orphan_age_s)
         if not self.manifest_path.exists():
             if self._part_files():
                 self.rebuild_manifest()  # parts without a manifest: never start empty over them
@@ -165,15 +156,24 @@ class EmbeddedStore(Store):
         if not (root / "manifest.json").exists() and not (root / TRACES).is_dir():
             raise StoreError(f"no ttftscope store at {root}")
         self = cls.__new__(cls)
-        defaults = dict(row_group_size=32_768, merge_factor=8, max_level=4, max_part_rows=4_000_000,
-                        token_window=10_000, garbage_grace_s=60.0, orphan_age_s=3600.0)
-        self.root, self.url = root, str(root)
-        self.parts_dir, self.manifest_path = root / TRACES, root / "manifest.json"
-        for k, v in defaults.items():
-            setattr(self, k, v)
-        self._db = "store_" + uuid.uuid4().hex[:12]
-        self._view_key = None
+        self._setup(root)  # the constructor's defaults, without its manifest handling
         return self
+
+    def _setup(self, root: Path, *, row_group_size: int = 32_768, merge_factor: int = 8, max_level: int = 4,
+               max_part_rows: int = 4_000_000, token_window: int = 10_000, garbage_grace_s: float = 60.0,
+               orphan_age_s: float = 3600.0) -> None:
+        self.root, self.url = root, str(root)
+        self.parts_dir = root / TRACES
+        self.manifest_path = root / "manifest.json"
+        self.row_group_size = row_group_size
+        self.merge_factor = merge_factor
+        self.max_level = max_level
+        self.max_part_rows = max_part_rows
+        self.token_window = token_window
+        self.garbage_grace_s = garbage_grace_s
+        self.orphan_age_s = orphan_age_s
+        self._db = "store_" + uuid.uuid4().hex[:12]
+        self._view_key: tuple | None = None
 
     # ------------------------------------------------------------------ manifest
     def _init_dir(self) -> None:
