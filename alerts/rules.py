@@ -58,38 +58,51 @@ def _quantile(metric: str, q: float, by: str, matcher: str = "", window: str = "
     return f"histogram_quantile({q}, sum by (le, {by}) (rate({metric}_bucket{m}[{window}])))"
 
 
-def _vllm_bucket_at_or_below(seconds: float) -> float:
-    """The largest vLLM TTFT bucket boundary <= seconds (burn rates need a bucket edge)."""
-    return max([b for b in M.VLLM_TTFT_BUCKETS if b <= seconds] or [M.VLLM_TTFT_BUCKETS[0]])
+def _bucket_at_or_below(seconds: float) -> float:
+    """The largest TTFT bucket boundary <= seconds (burn rates need a bucket edge)."""
+    return max([b for b in M.SECONDS_BUCKETS if b <= seconds] or [M.SECONDS_BUCKETS[0]])
+
+
+def _vllm_by_model(expr: str) -> str:
+    """A vLLM series (label ``model_name``) relabelled ``model`` to join ttftscope's."""
+    return f'label_replace({expr}, "model", "$1", "model_name", "(.*)")'
+
+
+def _ttft(model: str, value: float) -> Hist:
+    """A crafted client-TTFT histogram (the collector's, from ttftscope.http spans)."""
+    return Hist(M.TTFT, {"model": model, "priority": "", "streaming": "true"}, value)
 
 
 def alert_defs(slo: SLO) -> list[AlertDef]:
     A: list[AlertDef] = []
     f = slo.alert_for
-    # --- TTFT quantiles on vLLM's own histogram ----------------------------------------
+    # --- TTFT quantiles: the client's TTFT (ttftscope.http spans, request received -> first
+    # token bytes written), not vLLM's internal histogram, which misses the API server's
+    # receive and delivery paths ------------------------------------------------------
     overridden = sorted(slo.ttft_models)
     for qname, target_ms in slo.ttft_targets_ms.items():
         q, t = QUANTILES[qname], target_ms / 1000
         sev = "critical" if qname == "p50" else "warning"
-        excl = f'model_name!~"{"|".join(_q(m) for m in overridden)}"' if overridden else ""
+        excl = f'model!~"{"|".join(_q(m) for m in overridden)}"' if overridden else ""
         A.append(AlertDef(
-            f"TTFT{qname.upper()}AboveTarget", f"{_quantile(M.VLLM_TTFT, q, 'model_name', excl)} > {t}", sev,
-            f"TTFT {qname} above {target_ms:g} ms on {{{{ $labels.model_name }}}}",
-            f"TTFT {qname} is {{{{ $value | humanizeDuration }}}} (target {target_ms:g} ms) over the last 5m.",
+            f"TTFT{qname.upper()}AboveTarget", f"{_quantile(M.TTFT, q, 'model', excl)} > {t}", sev,
+            f"TTFT {qname} above {target_ms:g} ms on {{{{ $labels.model }}}}",
+            f"TTFT {qname} (as clients see it) is {{{{ $value | humanizeDuration }}}} (target {target_ms:g} ms) "
+            "over the last 5m.",
             "ttftscope-ttft", f,
-            bad=Case([Hist(M.VLLM_TTFT, {"model_name": "m"}, 2 * t + 0.05, M.VLLM_TTFT_BUCKETS)], {"model_name": "m"}),
-            healthy=[Hist(M.VLLM_TTFT, {"model_name": "m"}, t / 4, M.VLLM_TTFT_BUCKETS)]))
+            bad=Case([_ttft("m", 2 * t + 0.05)], {"model": "m"}),
+            healthy=[_ttft("m", t / 4)]))
     for model, targets in sorted(slo.ttft_models.items()):
         for qname, target_ms in targets.items():
             q, t = QUANTILES[qname], target_ms / 1000
-            sel = 'model_name="' + _q(model) + '"'
+            sel = 'model="' + _q(model) + '"'
             A.append(AlertDef(
-                f"TTFT{qname.upper()}AboveTargetModel", f"{_quantile(M.VLLM_TTFT, q, 'model_name', sel)} > {t}",
+                f"TTFT{qname.upper()}AboveTargetModel", f"{_quantile(M.TTFT, q, 'model', sel)} > {t}",
                 "critical" if qname == "p50" else "warning",
                 f"TTFT {qname} above {target_ms:g} ms on {model}",
                 f"TTFT {qname} is {{{{ $value | humanizeDuration }}}} (model target {target_ms:g} ms).", "ttftscope-ttft", f,
-                bad=Case([Hist(M.VLLM_TTFT, {"model_name": model}, 2 * t + 0.05, M.VLLM_TTFT_BUCKETS)], {"model_name": model}),
-                healthy=[Hist(M.VLLM_TTFT, {"model_name": model}, t / 4, M.VLLM_TTFT_BUCKETS)]))
+                bad=Case([_ttft(model, 2 * t + 0.05)], {"model": model}),
+                healthy=[_ttft(model, t / 4)]))
     for prio, targets in sorted(slo.ttft_priorities.items()):
         for qname, target_ms in targets.items():
             q, t = QUANTILES[qname], target_ms / 1000
@@ -103,7 +116,7 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
                 bad=Case([Hist(M.TTFT, {"priority": prio, "model": "m"}, 2 * t + 0.05)], {"priority": prio}),
                 healthy=[Hist(M.TTFT, {"priority": prio, "model": "m"}, t / 4)]))
     # --- multi-window burn rate on the TTFT error budget -----------------------------
-    edge = _vllm_bucket_at_or_below(slo.budget_threshold_ms / 1000)
+    edge = _bucket_at_or_below(slo.budget_threshold_ms / 1000)
     budget = 1 - slo.budget_objective
     for name, long_w, short_w, factor, sev, for_ in (("Fast", "1h", "5m", 14.4, "critical", "2m"),
                                                       ("Slow", "6h", "30m", 6.0, "warning", "15m")):
@@ -111,12 +124,12 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
             f"TTFTErrorBudgetBurn{name}",
             f"ttftscope:ttft_slo_errors:ratio_rate{long_w} > {factor * budget:.6g} and "
             f"ttftscope:ttft_slo_errors:ratio_rate{short_w} > {factor * budget:.6g}", sev,
-            f"TTFT error budget burning {factor}x too fast on {{{{ $labels.model_name }}}}",
+            f"TTFT error budget burning {factor}x too fast on {{{{ $labels.model }}}}",
             f"{{{{ $value | humanizePercentage }}}} of requests over {long_w} took longer than {edge * 1000:g} ms "
-            f"(objective {slo.budget_objective:.2%} within {slo.budget_threshold_ms:g} ms; vLLM bucket edge {edge:g} s).",
+            f"(objective {slo.budget_objective:.2%} within {slo.budget_threshold_ms:g} ms; bucket edge {edge:g} s).",
             "ttftscope-ttft-burn", for_,
-            bad=Case([Hist(M.VLLM_TTFT, {"model_name": "m"}, edge * 4 + 0.1, M.VLLM_TTFT_BUCKETS)], {"model_name": "m"}),
-            healthy=[Hist(M.VLLM_TTFT, {"model_name": "m"}, edge / 4, M.VLLM_TTFT_BUCKETS)],
+            bad=Case([_ttft("m", edge * 4 + 0.1)], {"model": "m"}),
+            healthy=[_ttft("m", edge / 4)],
             eval_minutes=400, samples=420))
     # --- phases (from ttftscope's span-derived metrics) ------------------------------
     A.append(AlertDef(
@@ -126,9 +139,9 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
         "Queueing takes {{ $value | humanizePercentage }} of TTFT: the engine is saturated (raise max_num_seqs / max_num_batched_tokens or scale out).",
         "ttftscope-phases", f,
         bad=Case([Hist(M.PHASE_DURATION, {"phase": "queue", "model": "m", "priority": "1"}, 0.9),
-                  Hist(M.TTFT, {"model": "m", "priority": "1"}, 1.0)], {"model": "m"}),
+                  _ttft("m", 1.0)], {"model": "m"}),
         healthy=[Hist(M.PHASE_DURATION, {"phase": "queue", "model": "m", "priority": "1"}, 0.01),
-                 Hist(M.TTFT, {"model": "m", "priority": "1"}, 1.0)]))
+                 _ttft("m", 1.0)]))
     t = slo.queue_priority_p99_ms / 1000
     sel = 'phase="queue",priority="0"'
     A.append(AlertDef(
@@ -182,27 +195,27 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
     t95 = slo.ttft_targets_ms.get("p95", 600.0) / 1000
     A.append(AlertDef(
         "TTFTTracksLoadScaleOut",
-        f"({_quantile(M.VLLM_TTFT, 0.95, 'model_name')} > {t95}) and on (model_name) "
-        f"(sum by (model_name) ({M.VLLM_WAITING}) > 0) and on (model_name) "
-        f"(max by (model_name) ({M.VLLM_KV_USAGE}) > {slo.scale_out_kv_usage})", "warning",
-        "TTFT tracks utilisation on {{ $labels.model_name }}: scale out",
+        f"({_quantile(M.TTFT, 0.95, 'model')} > {t95}) and on (model) "
+        f"({_vllm_by_model(f'sum by (model_name) ({M.VLLM_WAITING})')} > 0) and on (model) "
+        f"({_vllm_by_model(f'max by (model_name) ({M.VLLM_KV_USAGE})')} > {slo.scale_out_kv_usage})", "warning",
+        "TTFT tracks utilisation on {{ $labels.model }}: scale out",
         "TTFT p95 is {{ $value | humanizeDuration }} with requests waiting and the KV cache above "
         f"{slo.scale_out_kv_usage:.0%}: add replicas.", "ttftscope-capacity", f,
-        bad=Case([Hist(M.VLLM_TTFT, {"model_name": "m"}, 2 * t95 + 0.05, M.VLLM_TTFT_BUCKETS),
+        bad=Case([_ttft("m", 2 * t95 + 0.05),
                   (f'{M.VLLM_WAITING}{{model_name="m"}}', "5x60"), (f'{M.VLLM_KV_USAGE}{{model_name="m"}}', "0.95x60")],
-                 {"model_name": "m"}),
-        healthy=[Hist(M.VLLM_TTFT, {"model_name": "m"}, 2 * t95 + 0.05, M.VLLM_TTFT_BUCKETS),
+                 {"model": "m"}),
+        healthy=[_ttft("m", 2 * t95 + 0.05),
                  (f'{M.VLLM_WAITING}{{model_name="m"}}', "0x60"), (f'{M.VLLM_KV_USAGE}{{model_name="m"}}', "0.3x60")]))
     return A
 
 
 def recording_rules(slo: SLO) -> list[dict]:
-    edge = _vllm_bucket_at_or_below(slo.budget_threshold_ms / 1000)
+    edge = _bucket_at_or_below(slo.budget_threshold_ms / 1000)
     out = []
     for w in ("5m", "30m", "1h", "6h"):
         out.append({"record": f"ttftscope:ttft_slo_errors:ratio_rate{w}",
-                    "expr": f'1 - (sum by (model_name) (rate({M.VLLM_TTFT}_bucket{{le="{edge:g}"}}[{w}])) / '
-                            f"sum by (model_name) (rate({M.VLLM_TTFT}_count[{w}])))"})
+                    "expr": f'1 - (sum by (model) (rate({M.TTFT}_bucket{{le="{M.le(edge)}"}}[{w}])) / '
+                            f"sum by (model) (rate({M.TTFT}_count[{w}])))"})
     return out
 
 
@@ -300,7 +313,7 @@ def _series(item, samples: int) -> list[dict]:
     out = []
     for le in (*h.buckets, float("inf")):
         inside = h.value <= le
-        le_s = "+Inf" if le == float("inf") else f"{le:g}"
+        le_s = "+Inf" if le == float("inf") else M.le(le)
         out.append({"series": f'{h.metric}_bucket{{{labels},le="{le_s}"}}',
                     "values": f"0+{h.rate}x{samples}" if inside else f"0x{samples}"})
     out.append({"series": f"{h.metric}_count{{{labels}}}", "values": f"0+{h.rate}x{samples}"})

@@ -300,6 +300,10 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
             Attr.VLLM_QUEUE: queue[m] / 1e9, Attr.VLLM_PREFILL: (prefill_end - start)[m] / 1e9,
             Attr.PROMPT_TOKENS: L[m], Attr.COMPLETION_TOKENS: comp[m], Attr.MODEL: np.full(nm, p.model),
             Attr.PRIORITY: prio[m]}, e2e[m]))
+        # the client's window, as the plugin's HTTP middleware records it (here: the same bounds)
+        tables.append(_table(nm, arrival[m], trace[m], sids(n, 12)[m], root[m], SpanName.HTTP, "Server", "vllm", api, {
+            Attr.REQUEST_ID: req_id[m], Attr.HTTP_STREAMING: np.full(nm, "true"), Attr.HTTP_STATUS: np.full(nm, "200"),
+            Attr.PRIORITY: prio[m]}, ttft[m]))
         tables.append(_table(nm, arrival[m], trace[m], sids(n, 2)[m], root[m], SpanName.TOKENIZE, "Internal", "vllm", api,
                              {Attr.REQUEST_ID: req_id[m], Attr.PROMPT_TOKENS: L[m]}, tok[m]))
         tables.append(_table(nm, ready[m], trace[m], sids(n, 3)[m], root[m], SpanName.QUEUE, "Internal", "vllm", eng,

@@ -40,7 +40,7 @@ class _Hist:
         m = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
         for k, (counts, total) in sorted(self.data.items()):
             cum = np.cumsum(counts)
-            buckets = [(repr(float(e)), int(c)) for e, c in zip(self.edges, cum[:-1], strict=True)]
+            buckets = [(M.le(e), int(c)) for e, c in zip(self.edges, cum[:-1], strict=True)]
             buckets.append(("+Inf", int(cum[-1])))
             m.add_metric(list(k), buckets, total)
         return m
@@ -56,14 +56,15 @@ class PhaseMetrics:
     def __init__(self, registry) -> None:
         self._lock = threading.Lock()
         self.phase = _Hist(M.PHASE_DURATION, "Duration of TTFT phase spans", ("phase", "model", "priority"))
-        self.ttft = _Hist(M.TTFT, "TTFT of requests (from llm_request spans)", ("model", "priority"))
+        self.ttft = _Hist(M.TTFT, "TTFT as the client sees it (ttftscope.http spans: request received -> "
+                          "first token bytes written; non-streaming: the whole response)", ("model", "priority", "streaming"))
         self.allreduce = _Hist(M.ALLREDUCE, "Tensor-parallel collective time per engine step and rank", ("rank",))
         self.cold: dict[tuple, float] = {}
         registry.register(self)
 
     def observe(self, table: pa.Table) -> None:
         names = table.column("SpanName")
-        wanted = pc.is_in(names, pa.array(list(OWN_SPAN_PHASE) + [SpanName.REQUEST, SpanName.PROCESS_START]))
+        wanted = pc.is_in(names, pa.array(list(OWN_SPAN_PHASE) + [SpanName.HTTP, SpanName.PROCESS_START]))
         t = table.filter(wanted)
         if t.num_rows == 0:
             return
@@ -75,16 +76,14 @@ class PhaseMetrics:
             "model": model.to_numpy(zero_copy_only=False),
             "priority": _lookup(sa, Attr.PRIORITY).to_numpy(zero_copy_only=False),
             "rank": _lookup(sa, Attr.RANK).to_numpy(zero_copy_only=False),
-            "ttft": _lookup(sa, Attr.VLLM_TTFT).to_numpy(zero_copy_only=False),
+            "streaming": _lookup(sa, Attr.HTTP_STREAMING).to_numpy(zero_copy_only=False),
             "instance": _lookup(ra, ResourceAttr.SERVICE_INSTANCE).to_numpy(zero_copy_only=False),
             "role": _lookup(ra, ResourceAttr.ROLE).to_numpy(zero_copy_only=False),
         }).with_columns(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="").alias("phase"))
         with self._lock:
             self.phase.observe(df.filter((pl.col("phase") != "") & (pl.col("name") != SpanName.ALLREDUCE_CALL)),
                                "seconds")
-            req = df.filter(pl.col("name") == SpanName.REQUEST).with_columns(
-                pl.col("ttft").cast(pl.Float64, strict=False).alias("ttft_s")).filter(pl.col("ttft_s").is_not_null())
-            self.ttft.observe(req, "ttft_s")
+            self.ttft.observe(df.filter(pl.col("name") == SpanName.HTTP), "seconds")
             self.allreduce.observe(df.filter(pl.col("name") == SpanName.ALLREDUCE), "seconds")
             for r in df.filter(pl.col("name") == SpanName.PROCESS_START).iter_rows(named=True):  # a few per start
                 self.cold[(r["instance"], r["role"])] = r["seconds"]

@@ -71,10 +71,16 @@ def _encode(d: db.Dashboard) -> dict:
 def overview(targets_ms: dict[str, float] | None = None) -> dict:
     t = targets_ms or {"p50": 350.0, "p95": 600.0, "p99": 800.0}
     sel = 'model_name=~"$model_name", instance=~"$instance"'
-    ttft = timeseries.Panel().title("TTFT p50 / p95 / p99 (SLO lines)").unit("s").height(9).span(16).datasource(PROM)
+    # the client's TTFT (the collector's histogram of ttftscope.http spans), vLLM's own dashed
+    ttft = timeseries.Panel().title("TTFT p50 / p95 / p99 as clients see it (SLO lines)").unit("s").height(9).span(16) \
+        .datasource(PROM)
     for i, (q, v) in enumerate((("p50", 0.5), ("p95", 0.95), ("p99", 0.99))):
         ttft = ttft.with_target(_prom(
-            f"histogram_quantile({v}, sum by (le) (rate({M.VLLM_TTFT}_bucket{{{sel}}}[$__rate_interval])))", q, "ABC"[i]))
+            f'histogram_quantile({v}, sum by (le) (rate({M.TTFT}_bucket{{model=~"$model_name"}}[$__rate_interval])))',
+            q, "ABC"[i]))
+    ttft = ttft.with_target(_prom(
+        f"histogram_quantile(0.5, sum by (le) (rate({M.VLLM_TTFT}_bucket{{{sel}}}[$__rate_interval])))",
+        "p50 inside vLLM", "D"))
     steps = [(None, "green")] + [(t[k] / 1000, c) for k, c in (("p50", "yellow"), ("p95", "orange"), ("p99", "red")) if k in t]
     ttft = ttft.thresholds(_thresholds(*steps)).thresholds_style(
         __import__("grafana_foundation_sdk.builders.common", fromlist=["x"]).GraphThresholdsStyleConfig().mode(
@@ -127,17 +133,16 @@ def breakdown() -> dict:
             f"SELECT $__timeInterval(Timestamp) AS time, {ph} AS phase, quantile(0.95)(Duration) / 1e6 AS p95_ms "
             "FROM otel_traces WHERE $__timeFilter(Timestamp) AND phase != '' "
             "GROUP BY time, phase ORDER BY time", fmt=0))
-    ttft_q = timeseries.Panel().title("TTFT percentiles (llm_request)").unit("ms").height(8).span(12).datasource(CH) \
-        .with_target(ClickHouseQuery(
-            f"SELECT $__timeInterval(Timestamp) AS time, "
-            f"quantile(0.5)(toFloat64OrZero(SpanAttributes['{Attr.VLLM_TTFT}'])) * 1000 AS p50, "
-            f"quantile(0.99)(toFloat64OrZero(SpanAttributes['{Attr.VLLM_TTFT}'])) * 1000 AS p99 "
-            f"FROM otel_traces WHERE $__timeFilter(Timestamp) AND SpanName = '{SpanName.REQUEST}' GROUP BY time ORDER BY time", fmt=0))
-    slow = table.Panel().title("Slowest requests (TTFT)").height(8).span(12).datasource(CH).with_target(ClickHouseQuery(
-        f"SELECT Timestamp, TraceId, SpanAttributes['{Attr.REQUEST_ID}'] AS request_id, "
-        f"toFloat64OrZero(SpanAttributes['{Attr.VLLM_TTFT}']) * 1000 AS ttft_ms, "
-        f"SpanAttributes['{Attr.PROMPT_TOKENS}'] AS prompt_tokens, ResourceAttributes['{ResourceAttr.SERVICE_VERSION}'] AS version "
-        f"FROM otel_traces WHERE $__timeFilter(Timestamp) AND SpanName = '{SpanName.REQUEST}' ORDER BY ttft_ms DESC LIMIT 50"))
+    ttft_q = timeseries.Panel().title("TTFT percentiles as clients see it (ttftscope.http)").unit("ms").height(8).span(12) \
+        .datasource(CH).with_target(ClickHouseQuery(
+            f"SELECT $__timeInterval(Timestamp) AS time, quantile(0.5)(Duration) / 1e6 AS p50, "
+            f"quantile(0.99)(Duration) / 1e6 AS p99 "
+            f"FROM otel_traces WHERE $__timeFilter(Timestamp) AND SpanName = '{SpanName.HTTP}' GROUP BY time ORDER BY time", fmt=0))
+    slow = table.Panel().title("Slowest requests (TTFT as clients see it)").height(8).span(12).datasource(CH).with_target(ClickHouseQuery(
+        f"SELECT Timestamp, TraceId, SpanAttributes['{Attr.REQUEST_ID}'] AS request_id, Duration / 1e6 AS ttft_ms, "
+        f"SpanAttributes['{Attr.HTTP_STREAMING}'] AS streaming, "
+        f"ResourceAttributes['{ResourceAttr.SERVICE_VERSION}'] AS version "
+        f"FROM otel_traces WHERE $__timeFilter(Timestamp) AND SpanName = '{SpanName.HTTP}' ORDER BY ttft_ms DESC LIMIT 50"))
     trace = table.Panel().title("Trace ${trace_id}").height(12).span(24).datasource(CH).with_target(ClickHouseQuery(
         "SELECT TraceId AS traceID, SpanId AS spanID, ParentSpanId AS parentSpanID, ServiceName AS serviceName, "
         "SpanName AS operationName, toUnixTimestamp64Milli(Timestamp) AS startTime, Duration / 1e6 AS duration, "

@@ -14,6 +14,15 @@ COLD_START = "ttftscope_cold_start_seconds"  # gauge {instance, role}
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.35, 0.4, 0.5, 0.6, 0.75, 0.8,
                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
+
+
+def le(seconds: float) -> str:
+    """A bucket's ``le`` label as prometheus-client writes it (``1.0``, ``0.35``): the one
+    spelling used by the collector's histograms, the rules that select a bucket, and the
+    promtool tests' crafted series."""
+    return repr(float(seconds))
+
+
 # --- the collector's own health ---------------------------------------------------------
 COLLECTOR = "ttftscope_collector"
 SPANS_DROPPED = f"{COLLECTOR}_spans_dropped_total"

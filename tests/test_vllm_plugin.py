@@ -45,7 +45,8 @@ def tp1(tmp_path_factory):
         srv.completion(prompt_of(20, 1), headers={"traceparent": f"00-{SAMPLED_TID}-{CLIENT_PARENT}-01"})
         unsampled = srv.completion(prompt_of(20, 2), headers={"traceparent": f"00-{UNSAMPLED_TID}-{CLIENT_PARENT}-00"})
         col.wait_quiet()  # the plugin exports every 0.5 s; decode runs close after 0.25 s idle
-        witness = {**srv.metrics(), "unsampled_prompt_tokens": unsampled["usage"]["prompt_tokens"]}
+        witness = {**srv.metrics(), "unsampled_prompt_tokens": unsampled["usage"]["prompt_tokens"],
+                   "collector_metrics": requests.get(col.url + "/metrics", timeout=10).text}
     finally:
         srv.stop()
     assert col.terminate() == 0
@@ -175,6 +176,35 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
     cached = {r["rid"]: int(r["cached"]) for r in per_req}
     hits = [cached[one(cached, rid)] for rid in ids["prefix"]]
     assert sorted(hits)[0] == 0 and min(sorted(hits)[1:]) >= 500, hits
+
+
+def test_queue_time_request_count_and_model_agree_with_vllms_own(tp1):
+    """Witnesses: each request's gen_ai.latency.time_in_queue (vLLM's engine-core clock),
+    vllm:request_success_total, and the model name vLLM labels its metrics with."""
+    store, _, srv, witness = tp1
+    rows = ttftscope_sql(store, """
+        SELECT r.q AS vllm_q, s.q AS ours FROM
+          (SELECT TraceId AS tid, toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_queue']) AS q
+           FROM otel_traces WHERE SpanName = 'llm_request') AS r
+        INNER JOIN (SELECT TraceId AS tid, sum(Duration) / 1e9 AS q FROM otel_traces
+                    WHERE SpanName = 'ttftscope.queue' GROUP BY tid) AS s ON r.tid = s.tid""")
+    http = int(ttftscope_sql(store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.http'")[0]["n"])
+    assert http + 1 == witness["vllm:request_success_total"], "every request but the unsampled one has its window"
+    assert len(rows) == http, "and its queue span next to vLLM's own queue time"
+    diffs = sorted(abs(float(r["ours"]) - float(r["vllm_q"])) for r in rows)
+    assert diffs[len(diffs) // 2] <= 0.0005, diffs
+    for r in rows:
+        assert abs(float(r["ours"]) - float(r["vllm_q"])) <= max(0.003, 0.1 * float(r["vllm_q"])), r
+    # every span of a request names the model as vLLM's metrics do (model_name), so the
+    # collector's phase and TTFT histograms join vLLM's series in the alert rules
+    models = {r["m"] for r in ttftscope_sql(store, """
+        SELECT DISTINCT ResourceAttributes['ttftscope.model'] AS m FROM otel_traces
+        WHERE SpanName IN ('ttftscope.http', 'ttftscope.receive', 'ttftscope.tokenize', 'ttftscope.intake',
+                           'ttftscope.queue', 'ttftscope.prefill', 'ttftscope.deliver', 'ttftscope.step')""")}
+    assert models == {srv.model}, models
+    ttft_count = [ln for ln in witness["collector_metrics"].splitlines() if ln.startswith("ttftscope_ttft_seconds_count{")]
+    assert sum(float(ln.rsplit(" ", 1)[1]) for ln in ttft_count) == http
+    assert all(f'model="{srv.model}"' in ln for ln in ttft_count), ttft_count
 
 
 def test_tensor_parallel_2_eager_allreduce_from_both_ranks_linked_to_steps(tmp_path):

@@ -15,7 +15,7 @@ from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, ProcessRol
 
 from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready
-from .runtime import at_exit, ext_id, guard, log, sampled, span
+from .runtime import at_exit, ext_id, guard, log, sampled, set_model, span
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 _REQ = "vllm.v1.request"
@@ -136,7 +136,9 @@ def _install_scheduler() -> None:
 
 
 @adapter("engine-ready", roles=ENGINE, what="the engine core's cold start (process start -> KV cache allocated)",
-         internals=[Internal("vllm.v1.engine.core", "EngineCore._initialize_kv_caches")])
+         internals=[Internal("vllm.v1.engine.core", "EngineCore._initialize_kv_caches"),
+                    Internal("vllm.v1.engine.core", "EngineCore.vllm_config", "attribute"),
+                    Internal("vllm.config.model", "ModelConfig.served_model_name", "attribute")])
 def _install_engine_ready() -> None:
     # the plugin runs inside EngineCore.__init__, before it allocates the KV cache: the
     # end of that allocation is when the engine can serve
@@ -147,10 +149,16 @@ def _install_engine_ready() -> None:
     @functools.wraps(orig_kv)
     def init_kv(self, *a, **kw):
         r = orig_kv(self, *a, **kw)
+        _name_model(self)
         emit_process_ready(ProcessRole.ENGINE_CORE.value)
         return r
 
     core.EngineCore._initialize_kv_caches = init_kv
+
+
+@guard("engine-model")
+def _name_model(core) -> None:
+    set_model(core.vllm_config.model_config.served_model_name)
 
 
 @guard("add_request")

@@ -1,7 +1,7 @@
 """TTFT as the client sees it: an ASGI middleware the plugin adds to vLLM's API server.
 
-The window is request received (the middleware is entered: headers parsed, body not yet
-read) -> the first response bytes that carry a generated token handed to the transport
+The window is request received (the server read the request's first bytes: uvicorn's
+protocol, ``http-arrival``; else the middleware is entered) -> the first response bytes that carry a generated token handed to the transport
 (streaming: the first SSE ``data:`` chunk whose choice has text, a delta with content,
 reasoning or tool calls; non-streaming: the response body, marked as such). It becomes the
 ``ttftscope.http`` span, parent window of everything else, and with it two API-server
@@ -32,7 +32,7 @@ import orjson
 from ttftscope.schemas.vocabulary import Attr, Phase, SpanName
 
 from .adapters import FRONTEND, Internal, adapter
-from .runtime import guard, log, new_traceparent, sampled, span
+from .runtime import guard, log, new_traceparent, sampled, set_model, span
 
 #: (received at, traceparent) of the HTTP request this task serves
 HTTP: contextvars.ContextVar[tuple[float, str] | None] = contextvars.ContextVar("ttftscope_http", default=None)
@@ -124,10 +124,18 @@ class ClientTTFTMiddleware:
         if scope.get("type") != "http" or scope.get("method") != "POST" or \
                 not scope.get("path", "").endswith(_GENERATE_SUFFIXES):
             return await self.app(scope, receive, send)
-        t_recv = time.time()
+        now = time.time()
+        t_recv = scope.get(ARRIVAL_KEY) or now  # the first bytes read by the server, if the hook is on
+        t_recv = t_recv if now - 60.0 < t_recv <= now else now
         scope, tp = _with_traceparent(scope)
         token = HTTP.set((t_recv, tp))
-        st = {"status": 0, "stream": False, "done": False, "rid": ""}
+        st = {"status": 0, "stream": False, "done": False, "rid": "", "priority": None}
+
+        async def receive_wrapper():
+            msg = await receive()
+            if st["priority"] is None and msg.get("type") == "http.request":
+                st["priority"] = _priority_of(msg.get("body", b""))
+            return msg
 
         async def send_wrapper(msg):
             kind = msg.get("type")
@@ -165,9 +173,60 @@ class ClientTTFTMiddleware:
             return r
 
         try:
-            return await self.app(scope, receive, send_wrapper)
+            return await self.app(scope, receive_wrapper, send_wrapper)
         finally:
             HTTP.reset(token)
+
+
+def _priority_of(body: bytes) -> str:
+    """The request's ``priority`` field (vLLM's scheduling priority), read from the first
+    body chunk without parsing the JSON; "" when absent."""
+    i = body.find(b'"priority"')
+    if i < 0:
+        return ""
+    rest = body[i + 10:i + 40].lstrip()
+    if not rest.startswith(b":"):
+        return ""
+    rest = rest[1:].lstrip()
+    n = 1 if rest[:1] == b"-" else 0
+    while n < len(rest) and rest[n:n + 1].isdigit():
+        n += 1
+    try:
+        return str(int(rest[:n]))
+    except ValueError:
+        return ""
+
+
+#: the scope key where the arrival hook leaves the time the request's first bytes were read
+ARRIVAL_KEY = "ttftscope.arrival"
+
+
+@adapter("http-arrival", roles=FRONTEND,
+         what="the client-TTFT window starts when the server reads the request's first bytes (uvicorn's "
+              "httptools protocol), not when the ASGI task first runs: a request that waits for a busy event "
+              "loop after its bytes arrived is counted",
+         internals=[Internal("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.data_received"),
+                    Internal("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.on_message_begin"),
+                    Internal("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.scope", "attribute")])
+def _install_arrival() -> None:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as P
+
+    orig_data, orig_begin = P.data_received, P.on_message_begin
+
+    @functools.wraps(orig_data)
+    def data_received(self, data):
+        self._ttftscope_rx = time.time()
+        return orig_data(self, data)
+
+    @functools.wraps(orig_begin)
+    def on_message_begin(self):
+        orig_begin(self)
+        try:  # called from the parser inside data_received: the stamp is this message's first bytes
+            self.scope[ARRIVAL_KEY] = self._ttftscope_rx
+        except Exception:  # noqa: BLE001 - the middleware falls back to its own entry time
+            pass
+
+    P.data_received, P.on_message_begin = data_received, on_message_begin
 
 
 def _with_traceparent(scope) -> tuple[dict, str]:
@@ -184,9 +243,11 @@ def _on_first_bytes(t_recv: float, t_written: float, tp: str, st: dict, path: st
     if not sampled({"traceparent": tp}) or st["status"] != 200:
         return
     headers = {"traceparent": tp}
-    span(SpanName.HTTP, t_recv, t_written, {
-        Attr.HTTP_STREAMING: st["stream"], Attr.HTTP_ROUTE: path,
-        Attr.HTTP_STATUS: st["status"], Attr.REQUEST_ID: st["rid"]}, headers)
+    attrs = {Attr.HTTP_STREAMING: st["stream"], Attr.HTTP_ROUTE: path,
+             Attr.HTTP_STATUS: st["status"], Attr.REQUEST_ID: st["rid"]}
+    if st["priority"]:
+        attrs[Attr.PRIORITY] = st["priority"]
+    span(SpanName.HTTP, t_recv, t_written, attrs, headers)
     RDV.on_written(trace_id_of(tp), t_written)
 
 
@@ -203,6 +264,7 @@ def _install_http() -> None:
     @functools.wraps(orig)
     def init_middleware(args, app, *a, **kw):
         r = orig(args, app, *a, **kw)
+        set_model(getattr(args, "served_model_name", None) or getattr(args, "model", None))
         try:
             app.add_middleware(ClientTTFTMiddleware)  # added last = outermost: sees the most
         except Exception:  # noqa: BLE001

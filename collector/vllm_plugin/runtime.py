@@ -146,6 +146,26 @@ def setup_otel(role: str) -> None:
     mp_util.Finalize(None, on_exit, exitpriority=100)
 
 
+def set_model(name) -> None:
+    """Name the served model on this process's spans (resource ``ttftscope.model``): vLLM's
+    ``model_name`` metric label, so phase metrics group and join by model like vLLM's own.
+    Called once a role learns it (API server args, engine/worker config); spans already
+    queued keep the resource they were encoded with."""
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    d = RT.deferred
+    if not name or d is None or d.resource is None:
+        return
+    try:
+        from opentelemetry.sdk.resources import Resource
+
+        if d.resource.attributes.get(ResourceAttr.MODEL) != name:
+            d.resource = d.resource.merge(Resource({ResourceAttr.MODEL: str(name)}))
+            d._resource_pb = None
+    except Exception:  # noqa: BLE001 - a label is not worth hurting the server
+        log.exception("ttftscope: could not name the model on this process's spans")
+
+
 _EXIT_HOOKS: list = []
 
 

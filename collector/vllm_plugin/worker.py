@@ -23,7 +23,7 @@ from ttftscope.schemas.vocabulary import Attr, Phase, ProcessRole, SpanName
 
 from .adapters import WORKER, Internal, adapter
 from .coldstart import emit_process_ready
-from .runtime import RT, guard, log, span
+from .runtime import RT, guard, log, set_model, span
 
 _GPU_WORKER = "vllm.v1.worker.gpu_worker"
 _CPU_COMM = "vllm.distributed.device_communicators.cpu_communicator"
@@ -64,6 +64,7 @@ def model_runs_eagerly(vllm_config) -> bool:
               "model runs eagerly (no torch.compile, no CUDA graphs); decided when the model is loaded",
          internals=[Internal(_GPU_WORKER, "Worker.load_model"),
                     Internal("vllm.v1.worker.worker_base", "WorkerBase.vllm_config", "attribute"),
+                    Internal("vllm.config.model", "ModelConfig.served_model_name", "attribute"),
                     Internal("vllm.config.compilation", "CompilationConfig.mode", "attribute"),
                     Internal("vllm.config.compilation", "CompilationConfig.cudagraph_mode", "attribute"),
                     Internal("vllm.config.compilation", "CompilationMode.NONE", "attribute"),
@@ -86,6 +87,7 @@ def _install_collectives_eager() -> None:
 def _decide_eager(worker) -> None:
     if WS.eager is not None:
         return
+    set_model(worker.vllm_config.model_config.served_model_name)
     WS.eager = model_runs_eagerly(worker.vllm_config)
     if not WS.eager:
         log.info("ttftscope: the model is compiled; collectives are seen through sampled profiler windows "
