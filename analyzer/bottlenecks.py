@@ -32,7 +32,10 @@ def _slow(tail_rows: list[dict]) -> dict:
 
 
 def phase_dominance(df: pl.DataFrame, slo: SLO) -> list[dict]:
-    """A non-compute phase taking most of the tail's TTFT."""
+    """A non-compute phase taking most of the tail's TTFT (of deliver, only the delivery
+    path: a non-streaming response's generation after its first token is not a stall)."""
+    if "deliver_generation" in df.columns:
+        df = df.with_columns(pl.col("deliver") - pl.col("deliver_generation"))
     tail = tail_attribution(df, 0.99)
     if not tail:
         return []

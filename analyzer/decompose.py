@@ -161,12 +161,23 @@ def decompose(store, window: Window) -> pl.DataFrame:
     df = store.query(decompose_sql(), window.params())
     if df.height == 0:
         return empty()
-    return df.with_columns(
+    df = df.with_columns(
         pl.col("coarse").cast(pl.Boolean),
         pl.col("client").cast(pl.Boolean),
         pl.col("streaming").cast(pl.Boolean),
         *[pl.col(c).cast(pl.Int64) for c in ["ttft", "ttft_vllm", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e"]],
     )
+    return df.with_columns(deliver_generation())
+
+
+def deliver_generation() -> pl.Expr:
+    """Of ``deliver``, the time a non-streaming response spends generating its remaining
+    tokens (vLLM's e2e minus its TTFT): the client waits for it (its TTFT is the whole
+    response), but it is decoding, not a delivery stall; detectors of the delivery path
+    look at ``deliver - deliver_generation``."""
+    gen = (pl.col("e2e") - pl.col("ttft_vllm")).clip(lower_bound=0)
+    return (pl.when(pl.col("client") & ~pl.col("streaming") & (pl.col("e2e") > 0))
+            .then(pl.min_horizontal(gen, pl.col("deliver"))).otherwise(0).cast(pl.Int64).alias("deliver_generation"))
 
 
 def empty() -> pl.DataFrame:
@@ -174,7 +185,7 @@ def empty() -> pl.DataFrame:
               "client": pl.Boolean, "streaming": pl.Boolean, "coarse": pl.Boolean,
               "prompt_tokens": pl.UInt32, "completion_tokens": pl.UInt32, "model": pl.Utf8, "version": pl.Utf8,
               "run": pl.Utf8, "priority": pl.Utf8, "e2e": pl.Int64, "chunks": pl.UInt64,
-              **{c: pl.Int64 for c in PHASE_COLUMNS + GAP_COLUMNS}}
+              **{c: pl.Int64 for c in PHASE_COLUMNS + GAP_COLUMNS}, "deliver_generation": pl.Int64}
     return pl.DataFrame(schema=schema)
 
 

@@ -48,7 +48,10 @@ def _first_requests(f: dict) -> pl.Expr:
 
 #: finding kind -> the time (ns per request) its cause adds, as a polars expression
 REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
-    **{f"{p}_dominates": _phase(p) for p in ("receive", "tokenize", "intake", "deliver", "load")},
+    **{f"{p}_dominates": _phase(p) for p in ("receive", "tokenize", "intake", "load")},
+    # a non-streaming response's generation after the first token is not the delivery path
+    "deliver_dominates": lambda f: (lambda d: (d - d.quantile(0.1, "lower")).clip(lower_bound=0))(
+        pl.col("deliver") - pl.col("deliver_generation")),
     "queue_dominates": _phase("queue"),
     "chunk_wait": lambda f: pl.col("gap_chunk_wait"),
     "host_gap": lambda f: pl.col("gap_host"),

@@ -23,24 +23,16 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("vllm.ttftscope")
 
-def _any_value(v):
-    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-    if isinstance(v, str):
-        return AnyValue(string_value=v)
-    if isinstance(v, bool):
-        return AnyValue(bool_value=v)
-    if isinstance(v, int):
-        return AnyValue(int_value=v)
-    if isinstance(v, float):
-        return AnyValue(double_value=v)
-    return AnyValue(string_value=str(v))
+def name_native_thread(name: str) -> None:
+    """Give the calling thread a kernel-visible name (``top -H``, ``/proc/*/task/*/comm``), so an
+    operator sees what a serving process's threads cost. Linux only; best effort."""
+    try:
+        import ctypes
 
-
-def _key_values(attrs: dict) -> list:
-    from opentelemetry.proto.common.v1.common_pb2 import KeyValue
-
-    return [KeyValue(key=k, value=_any_value(v)) for k, v in attrs.items() if v is not None]
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class DeferredSpans:
@@ -61,7 +53,7 @@ class DeferredSpans:
         self.dropped = 0
         self.wake = None  # set by the processor: called when a batch is ready
         self._q: deque[tuple] = deque()
-        self._resource_pb = None
+        self._resource_attrs = None
 
     def __len__(self) -> int:
         return len(self._q)
@@ -80,18 +72,17 @@ class DeferredSpans:
             out.append(self._q.popleft())
         return out
 
-    def encode(self, records: list[tuple]):
-        """One OTLP ``ResourceSpans`` holding ``records``."""
+    def encode(self, records: list[tuple]) -> bytes:
+        """One OTLP ``ResourceSpans`` holding ``records``, serialized (``span_wire``)."""
         from opentelemetry import trace
         from opentelemetry.context import Context
-        from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
-        from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-        from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-        if self._resource_pb is None:
-            attrs = dict(self.resource.attributes) if self.resource is not None else {}
-            self._resource_pb = Resource(attributes=_key_values(attrs))
+        from . import span_wire as W
+
+        if self._resource_attrs is None:
+            self._resource_attrs = dict(self.resource.attributes) if self.resource is not None else {}
         spans = []
+        getrandbits = random.getrandbits
         for name, start_s, end_s, attrs, parent in records:
             tid, pid, state = None, b"", ""
             if isinstance(parent, Context):  # a Context is a dict too: check it first
@@ -108,14 +99,11 @@ class DeferredSpans:
                 except (ValueError, TypeError):
                     tid, pid, state = None, b"", ""
             if tid is None:
-                tid = random.getrandbits(128).to_bytes(16, "big")
+                tid = getrandbits(128).to_bytes(16, "big")
             start = int(start_s * 1e9)
-            spans.append(Span(trace_id=tid, span_id=(random.getrandbits(64) or 1).to_bytes(8, "big"),
-                              parent_span_id=pid, trace_state=state, name=name, kind=Span.SPAN_KIND_INTERNAL,
-                              start_time_unix_nano=start, end_time_unix_nano=max(int(end_s * 1e9), start),
-                              attributes=_key_values(attrs)))
-        return ResourceSpans(resource=self._resource_pb, scope_spans=[ScopeSpans(
-            scope=InstrumentationScope(name=self.scope[0], version=self.scope[1]), spans=spans)])
+            spans.append(W.span(tid, (getrandbits(64) or 1).to_bytes(8, "big"), pid, state, name,
+                                start, max(int(end_s * 1e9), start), attrs))
+        return W.resource_spans(self._resource_attrs, self.scope, spans)
 
     def materialize(self) -> int:
         from opentelemetry.context import Context
@@ -134,8 +122,9 @@ class DeferredSpans:
 
 class BoundedBatchSpanProcessor(SpanProcessor):
     def __init__(self, exporter: SpanExporter, *, max_queue: int = 8192, max_batch: int = 512,
-                 interval_s: float = 0.5) -> None:
+                 interval_s: float = 0.5, poster=None) -> None:
         self.exporter = exporter
+        self.poster = poster  # posts serialized requests (``span_wire.OtlpHttpPoster``); else the exporter's
         self.sources: list[DeferredSpans] = []
         self.max_batch = max_batch
         self.interval_s = interval_s
@@ -170,7 +159,10 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.sources.append(src)
 
     def _client(self):
-        """The stock OTLP/HTTP exporter's HTTP client (posts serialized requests), or None."""
+        """What posts serialized requests: the plugin's ``OtlpHttpPoster`` when given, else
+        the stock OTLP/HTTP exporter's own HTTP client, else None (an exporter of SDK spans)."""
+        if self.poster is not None:
+            return self.poster
         client = getattr(self.exporter, "_client", None)
         return client if hasattr(client, "export") else None
 
@@ -179,15 +171,17 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if client is None:
             res = self.exporter.export(sdk_spans)
             return getattr(res, "name", "SUCCESS") == "SUCCESS"
-        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
+        body = b""
+        if sdk_spans:
+            from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-        req = encode_spans(sdk_spans) if sdk_spans else ExportTraceServiceRequest()
-        if records:
-            req.resource_spans.append(src.encode(records))
-        return bool(client.export(req.SerializeToString()).success)
+            body = encode_spans(sdk_spans).SerializeToString()
+        if records:  # repeated fields concatenate: our ResourceSpans joins the SDK's request
+            from .span_wire import request_entry
+
+            body += request_entry(src.encode(records))
+        r = client.export(body)
+        return bool(r) if isinstance(r, bool) else bool(getattr(r, "success", r))
 
     def _drain(self) -> None:
         """Export everything queued, one request per batch: vLLM's own SDK spans through the
@@ -225,6 +219,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 return  # back off until the next interval
 
     def _run(self) -> None:
+        name_native_thread("ttftscope-exp")
         self.cpu_s = 0.0  # this thread's CPU time (TTFTSCOPE_SELF_TIMING reports it)
         while not self._stop.is_set():
             self._wake.wait(self.interval_s)
@@ -241,6 +236,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._t.join(timeout=5)
         self._drain()
         try:
+            if self.poster is not None:
+                self.poster.close()
             self.exporter.shutdown()
         except Exception:  # noqa: BLE001
             pass

@@ -160,16 +160,18 @@ def test_report_ttft_is_the_clients_per_request(clean):
     assert df.select(pl.col("streaming") == pl.col("stream")).to_series().all()
     srv_ms = df["ttft"] / 1e6
     diff = df["client_ms"] - srv_ms
+    print("client - report (ms):", sorted(round(x, 2) for x in diff.to_list()))
     # the server's window sits inside the client's (loopback, parse): never longer, a little shorter
     assert (diff > -0.5).all(), df.filter(diff <= -0.5).select("rid", "client_ms", "ttft")
-    # What the server cannot see: the client's connect and send, and the time a request waits in
-    # the socket until uvicorn's event loop reads it and enters the ASGI app. On two cores shared
-    # by the engine, the workers, export threads and the test client, that wait reaches several
-    # ms for some requests (seen: up to 1 in 8); the claim is carried by the median and p50.
-    close = (diff < (df["client_ms"] * 0.2).clip(lower_bound=5.0)).mean()
-    assert close >= 0.75, (diff.to_list(), df["client_ms"].to_list())
+    # What the server cannot see: the client's connect and send, its own parse of the chunk,
+    # and the time the request's bytes wait in the socket before uvicorn's event loop reads
+    # them (the window opens at that read: the http-arrival adapter). Measured here: ~1 ms.
+    # Per request (issue 11's cross-check): within max(2 ms, 5%) but for a descheduled few
+    # on two cores shared with the engine, the workers, export threads and this client.
+    close = (diff <= (df["client_ms"] * 0.05).clip(lower_bound=2.0)).mean()
+    assert close >= 0.85, (diff.to_list(), df["client_ms"].to_list())
     assert diff.median() <= 1.5, diff.describe()
-    assert abs(_ms(df, "ttft") - _ms(df, "client_ms")) <= max(1.5, 0.1 * _ms(df, "client_ms"))
+    assert abs(_ms(df, "ttft") - _ms(df, "client_ms")) <= max(3.0, 0.1 * _ms(df, "client_ms"))
     # vLLM's own TTFT is a narrower window inside it
     assert (df["ttft_vllm"] <= df["ttft"]).all() and (df["ttft_vllm"] > 0).all()
 
@@ -179,6 +181,12 @@ def test_phases_sum_exactly_and_cover_the_api_server(clean):
     assert df.select((sum(pl.col(c) for c in PHASE_COLUMNS) - pl.col("ttft")).abs().max()).item() == 0
     for phase in ("receive", "tokenize", "intake", "queue", "prefill", "deliver"):
         assert (df[phase] > 0).all(), phase
+    # a non-streaming response's TTFT is the whole response: the generation after its first
+    # token (vLLM's e2e - its TTFT) is set apart inside deliver, what is left is the delivery path
+    streams, whole = df.filter(pl.col("stream")), df.filter(~pl.col("stream"))
+    assert (streams["deliver_generation"] == 0).all() and (whole["deliver_generation"] > 0).all()
+    path = whole.with_columns(pl.col("deliver") - pl.col("deliver_generation"))
+    assert _ms(path, "deliver") <= 2 * _ms(streams, "deliver") + 1.0, (_ms(path, "deliver"), _ms(streams, "deliver"))
     # what used to be unexplained (before vLLM's arrival, after its output processor) is covered now
     assert _ms(df, "gap") <= 0.25 * _ms(df, "ttft"), df.select(PHASE_COLUMNS).describe()
 
@@ -188,7 +196,7 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(clean, stalled):
     df, store = stalled
     grew = _ms(df, "client_ms") - _ms(base, "client_ms")
     assert grew >= 0.6 * STALL_MS, "the planted stall reached the client"
-    assert abs(_ms(df, "ttft") - _ms(df, "client_ms")) <= max(1.5, 0.1 * _ms(df, "client_ms")), \
+    assert abs(_ms(df, "ttft") - _ms(df, "client_ms")) <= max(3.0, 0.1 * _ms(df, "client_ms")), \
         "the report's TTFT p50 is the client's"
     deliver_grew = _ms(df, "deliver") - _ms(base, "deliver")
     assert abs(deliver_grew - grew) <= 0.35 * grew, (deliver_grew, grew)

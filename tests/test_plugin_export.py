@@ -4,19 +4,28 @@ trace/parent ids, attribute types and resource the plugin gave them."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import ttftscope_sql
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from ttftscope.collector import span_wire as W
 from ttftscope.collector.otel_setup import BoundedBatchSpanProcessor, DeferredSpans
+from ttftscope.collector.span_wire import OtlpHttpPoster
 
 
-def test_deferred_and_sdk_spans_arrive_intact(collector_factory):
+@pytest.mark.parametrize("transport", ["poster", "poster-gzip", "sdk-client"])
+def test_deferred_and_sdk_spans_arrive_intact(collector_factory, transport):
+    """Through the plugin's own poster (http.client; gzip from OTEL_EXPORTER_OTLP_COMPRESSION)
+    and through the stock exporter's client."""
     col = collector_factory().start()
     resource = Resource.create({"service.name": "plugin-export", "ttftscope.process.role": "engine_core"})
     provider = TracerProvider(resource=resource)
-    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=5), interval_s=60)
+    env = {"OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "gzip"} if transport == "poster-gzip" else {}
+    poster = OtlpHttpPoster(col.url + "/v1/traces", timeout=5, env=env) if transport != "sdk-client" else None
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=5), interval_s=60,
+                                     poster=poster)
     provider.add_span_processor(proc)
     tracer = provider.get_tracer("t")
     deferred = DeferredSpans(tracer, resource, max_queue=5)
@@ -78,3 +87,51 @@ def test_with_another_exporter_deferred_spans_become_sdk_spans():
     assert span.name == "ttftscope.queue" and dict(span.attributes) == {"gen_ai.request.id": "r9"}
     assert format(span.context.trace_id, "032x") == tid and format(span.parent.span_id, "016x") == parent
     assert span.end_time - span.start_time == 500_000_000
+
+
+def test_wire_encoding_is_the_otlp_schema():
+    """The plugin's hand-written protobuf parses, with the official OTLP classes, into exactly
+    the message those classes build: every value type, long and non-ASCII strings, negative
+    and 64-bit ints, None left out; and it joins an SDK-serialized request by concatenation."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+    from opentelemetry.proto.resource.v1.resource_pb2 import Resource as PbResource
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+    tid, sid, pid = bytes(range(16)), bytes(range(8, 16)), bytes(range(100, 108))
+    attrs = {"s": "é" * 70, "long": "x" * 300, "small": 5, "zero": 0, "big": 2**40, "neg": -3, "f": 0.25,
+             "t": True, "fa": False, "none": None, "other": [1, 2]}
+    values = {"s": AnyValue(string_value="é" * 70), "long": AnyValue(string_value="x" * 300),
+              "small": AnyValue(int_value=5), "zero": AnyValue(int_value=0), "big": AnyValue(int_value=2**40),
+              "neg": AnyValue(int_value=-3), "f": AnyValue(double_value=0.25), "t": AnyValue(bool_value=True),
+              "fa": AnyValue(bool_value=False), "other": AnyValue(string_value="[1, 2]")}
+    start, end = 1_700_000_000_123_456_789, 1_700_000_000_223_456_789
+    rs = W.resource_spans({"service.name": "svc", "pid": 42}, ("scope", "1.0"),
+                          [W.span(tid, sid, pid, "k=v", "ttftscope.prefill", start, end, attrs),
+                           W.span(tid, sid, b"", "", "n" * 200, start, start, {})])
+    expected = ResourceSpans(
+        resource=PbResource(attributes=[KeyValue(key="service.name", value=AnyValue(string_value="svc")),
+                                        KeyValue(key="pid", value=AnyValue(int_value=42))]),
+        scope_spans=[ScopeSpans(scope=InstrumentationScope(name="scope", version="1.0"), spans=[
+            Span(trace_id=tid, span_id=sid, parent_span_id=pid, trace_state="k=v", name="ttftscope.prefill",
+                 kind=Span.SPAN_KIND_INTERNAL, start_time_unix_nano=start, end_time_unix_nano=end,
+                 attributes=[KeyValue(key=k, value=v) for k, v in values.items()]),
+            Span(trace_id=tid, span_id=sid, name="n" * 200, kind=Span.SPAN_KIND_INTERNAL,
+                 start_time_unix_nano=start, end_time_unix_nano=start)])])
+    assert ResourceSpans.FromString(rs) == expected
+    joined = ExportTraceServiceRequest(resource_spans=[expected]).SerializeToString() + W.request_entry(rs)
+    assert list(ExportTraceServiceRequest.FromString(joined).resource_spans) == [expected, expected]
+
+
+def test_poster_reports_refusals_and_a_dead_collector_without_raising(collector_factory):
+    from ttftscope.collector.span_wire import parse_headers
+
+    assert parse_headers("Authorization=Bearer%20x, a=b=c ,bad") == {"authorization": "Bearer x", "a": "b=c"}
+    col = collector_factory().start()
+    p = OtlpHttpPoster(col.url + "/v1/traces", timeout=2)
+    assert p.export(b"") and p.last_status == 200  # an empty request is valid OTLP
+    assert not p.export(b"\xff\xff") and p.last_status == 400
+    assert col.terminate() == 0
+    assert not p.export(b""), "the collector is gone: False, no exception"
+    with pytest.raises(ValueError):
+        OtlpHttpPoster("localhost:4318")

@@ -99,6 +99,9 @@ def _install_scheduler() -> None:
     from vllm.v1.core.sched import scheduler as sched
 
     def flush_idle() -> None:  # a run of decode steps ends when the engine goes idle, too
+        from ..otel_setup import name_native_thread
+
+        name_native_thread("ttftscope-flush")
         while True:
             time.sleep(0.25)
             try:

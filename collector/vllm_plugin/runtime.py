@@ -102,6 +102,18 @@ def ext_id(req) -> str:
     return ext or _INTERNAL_SUFFIX.sub("", req.request_id)
 
 
+def _poster(cfg: PluginConfig):
+    """The plugin's lean OTLP/HTTP poster; None (the SDK exporter's client) if it cannot be made."""
+    from ..span_wire import OtlpHttpPoster
+
+
+    try:
+        return OtlpHttpPoster(cfg.endpoint, timeout=cfg.export_timeout_s)
+    except Exception as e:  # noqa: BLE001
+        log.warning("ttftscope: exporting through the OpenTelemetry SDK's client (%s)", e)
+        return None
+
+
 def setup_otel(role: str) -> None:
     """OTLP/HTTP to the collector for this process; vLLM's own spans share the pipeline."""
     from opentelemetry import trace
@@ -127,7 +139,8 @@ def setup_otel(role: str) -> None:
     resource = Resource.create(attrs)
     provider = TracerProvider(resource=resource)
     proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.endpoint, timeout=cfg.export_timeout_s),
-                                     max_queue=cfg.max_queue, max_batch=cfg.max_batch, interval_s=cfg.interval_s)
+                                     max_queue=cfg.max_queue, max_batch=cfg.max_batch, interval_s=cfg.interval_s,
+                                     poster=_poster(cfg))
     provider.add_span_processor(proc)
     if not hasattr(trace.get_tracer_provider(), "add_span_processor"):
         # no SDK provider yet: ours becomes the global one, so vLLM's own spans
@@ -161,7 +174,7 @@ def set_model(name) -> None:
 
         if d.resource.attributes.get(ResourceAttr.MODEL) != name:
             d.resource = d.resource.merge(Resource({ResourceAttr.MODEL: str(name)}))
-            d._resource_pb = None
+            d._resource_attrs = None
     except Exception:  # noqa: BLE001 - a label is not worth hurting the server
         log.exception("ttftscope: could not name the model on this process's spans")
 
