@@ -24,6 +24,12 @@ _ADVICE = {
     "scheduling_bubbles": ("The engine idled while requests waited: check async scheduling and the "
                            "API-server -> engine IPC path; consider more API-server processes.",
                            "idle time between steps recovered"),
+    "engine_host_overhead": ("The engine core's Python (scheduling, output processing) takes a large share of every "
+                             "step while the model waits: turn on `--async-scheduling` (overlaps scheduling with "
+                             "execution), lighten per-step work (logits processors, structured output, "
+                             "`--disable-log-stats` off the hot path), batch more per step (`--max-num-seqs`); on a "
+                             "GPU keep CUDA graphs on (no `--enforce-eager`).",
+                             "engine time per request shorter by the host share"),
     "host_gap": ("Time lost between tokenization and the engine: the frontend is saturated; add API-server "
                  "processes or move rendering off the event loop.", "host gap removed from TTFT"),
     "scale_out": ("TTFT tracks offered load: add replicas or autoscale on queue length / TTFT p90.",

@@ -1,9 +1,9 @@
-"""Bottlenecks: ranked findings, each with its numbers and the requests behind it.
+"""Bottlenecks: the detectors of time inside requests, each registered with ``findings``.
 
-Each detector is a small function from frames (and the store for engine-level spans) to
-zero or one finding. A finding has a ``kind``, a ``severity`` (high/medium/low), a
-``size`` (the number the title states, in ``unit``), a ``score`` used to rank findings of
-the same severity, a one-sentence ``title`` and ``evidence`` (numbers, request and trace ids).
+Each detector is a small function from the shared :class:`~.findings.Context` to zero or
+more findings (``kind``, ``severity``, ``size`` in ``unit``, ``score``, a one-sentence
+``title`` and ``evidence``: numbers, request and trace ids); ``impact.calibrate`` adds what
+each costs in milliseconds.
 """
 
 from __future__ import annotations
@@ -14,26 +14,22 @@ from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from .compare import compare_frames, significant_shifts
 from .decompose import tail_attribution
-from .slo import SLO
+from .findings import Context, Finding, detector
+from .findings import finding as _finding
 from .window import Window
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
-
-
-def _finding(kind: str, severity: str | None, size: float, unit: str, score: float, title: str, **evidence) -> dict | None:
-    if severity is None:
-        return None
-    return {"kind": kind, "severity": severity, "size": float(size), "unit": unit, "score": float(score),
-            "title": title, "evidence": evidence}
 
 
 def _slow(tail_rows: list[dict]) -> dict:
     return {"request_ids": [r["request_id"] for r in tail_rows], "trace_ids": [r["trace_id"] for r in tail_rows]}
 
 
-def phase_dominance(df: pl.DataFrame, slo: SLO) -> list[dict]:
+@detector("phase_dominance")
+def phase_dominance(ctx: Context) -> list[Finding]:
     """A non-compute phase taking most of the tail's TTFT (of deliver, only the delivery
     path: a non-streaming response's generation after its first token is not a stall)."""
+    df, slo = ctx.df, ctx.slo
     if "deliver_generation" in df.columns:
         df = df.with_columns(pl.col("deliver") - pl.col("deliver_generation"))
     tail = tail_attribution(df, 0.99)
@@ -59,7 +55,9 @@ def phase_dominance(df: pl.DataFrame, slo: SLO) -> list[dict]:
     return out
 
 
-def chunk_waits(df: pl.DataFrame) -> list[dict]:
+@detector("chunk_waits")
+def chunk_waits(ctx: Context) -> list[Finding]:
+    df = ctx.df
     tail = tail_attribution(df, 0.99)
     if not tail:
         return []
@@ -70,7 +68,9 @@ def chunk_waits(df: pl.DataFrame) -> list[dict]:
                                  **_slow(tail["slowest"]))) else []
 
 
-def host_gaps(df: pl.DataFrame) -> list[dict]:
+@detector("host_gaps")
+def host_gaps(ctx: Context) -> list[Finding]:
+    df = ctx.df
     tail = tail_attribution(df, 0.99)
     if not tail:
         return []
@@ -81,8 +81,10 @@ def host_gaps(df: pl.DataFrame) -> list[dict]:
                                  **_slow(tail["slowest"]))) else []
 
 
-def tokenizer_long_prompts(df: pl.DataFrame, boundary: int = 32_768, min_long: int = 20) -> list[dict]:
+@detector("tokenizer_long_prompts")
+def tokenizer_long_prompts(ctx: Context, boundary: int = 32_768, min_long: int = 20) -> list[Finding]:
     """Per-token tokenisation cost above ``boundary`` tokens vs the linear fit below it."""
+    df = ctx.df
     d = df.filter((pl.col("tokenize") > 0) & (pl.col("prompt_tokens") > 0))
     short = d.filter(pl.col("prompt_tokens") <= boundary)
     long = d.filter(pl.col("prompt_tokens") > boundary)
@@ -106,8 +108,10 @@ def tokenizer_long_prompts(df: pl.DataFrame, boundary: int = 32_768, min_long: i
                                  trace_ids=top["trace_id"].to_list())) else []
 
 
-def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[dict]:
+@detector("allreduce_concurrency")
+def allreduce_concurrency(ctx: Context, min_steps: int = 50) -> list[Finding]:
     """Allreduce time per step vs concurrency: relative growth per +10 concurrent requests."""
+    store, window = ctx.store, ctx.window
     s = store.query(f"""
         SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, SpanAttributes['{Attr.STEP}'] AS step,
                max(toInt64(Duration)) AS ar, max(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}'])) AS running,
@@ -138,7 +142,9 @@ def allreduce_concurrency(store, window: Window, min_steps: int = 50) -> list[di
                      trace_ids=worst["trace_id"].to_list(), request_ids=reqs["request_id"].to_list())]
 
 
-def cold_start_findings(cold: list[dict], slo: SLO) -> list[dict]:
+@detector("cold_start")
+def cold_start_findings(ctx: Context) -> list[Finding]:
+    cold, slo = ctx.cold, ctx.slo
     out = []
     for c in cold:
         share = c["idle_share"]
@@ -163,8 +169,10 @@ def cold_start_findings(cold: list[dict], slo: SLO) -> list[dict]:
     return list(best.values())
 
 
-def cold_requests(df: pl.DataFrame, cold: list[dict], first_n: int = 5, min_ratio: float = 3.0) -> list[dict]:
+@detector("cold_requests")
+def cold_requests(ctx: Context, first_n: int = 5, min_ratio: float = 3.0) -> list[Finding]:
     """The first requests after a (re)start much slower than the rest: warm up before serving."""
+    df, cold = ctx.df, ctx.cold
     readies = sorted({c["ready_ns"] for c in cold if c.get("ready_ns")})
     if not readies or df.height < 4 * first_n:
         return []
@@ -181,13 +189,15 @@ def cold_requests(df: pl.DataFrame, cold: list[dict], first_n: int = 5, min_rati
                                  request_ids=firsts["request_id"].to_list(), trace_ids=firsts["trace_id"].to_list())) else []
 
 
-def prefix_cache_misses(store, window: Window, total_ttft_ms: float | None = None, min_share: float = 0.2) -> list[dict]:
+@detector("prefix_cache_misses")
+def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     """Requests sharing a prompt prefix with others that got no prefix-cache hit.
 
     Only repeats whose prefill started after the prefix's first prefill had finished could
     have hit (in a burst, the rest ran alongside it). Severity weighs the miss rate by what
     it costs: the missed repeats' first-chunk prefill time as a share of all TTFT in the
     window (``total_ttft_ms``), an upper bound on what caching would save."""
+    store, window, total_ttft_ms = ctx.store, ctx.window, ctx.total_ttft_ms
     g = store.query(f"""
         WITH SpanAttributes['{Attr.PREFIX_HASH}'] AS h,
              toUnixTimestamp64Nano(Timestamp) AS t0
@@ -228,7 +238,9 @@ def prefix_cache_misses(store, window: Window, total_ttft_ms: float | None = Non
                                  trace_ids=[t for x in top["tids"].to_list() for t in x][:10])) else []
 
 
-def engine_bubble_findings(bubbles: dict) -> list[dict]:
+@detector("scheduling_bubbles")
+def engine_bubble_findings(ctx: Context) -> list[Finding]:
+    bubbles = ctx.bubbles
     share = bubbles.get("idle_share", 0.0)
     sev = "high" if share >= 0.2 else "medium" if share >= 0.1 else None
     reqs = [r for t in bubbles.get("top", []) for r in t["delayed_requests"]][:10]
@@ -238,8 +250,10 @@ def engine_bubble_findings(bubbles: dict) -> list[dict]:
                                  idle_ms=bubbles["idle_ms"])) else []
 
 
-def load_correlation(df: pl.DataFrame, slo: SLO, bin_s: float = 10.0) -> list[dict]:
+@detector("scale_out")
+def load_correlation(ctx: Context, bin_s: float = 10.0) -> list[Finding]:
     """TTFT tracks offered load (arrivals per interval): a scale-out hint."""
+    df, slo = ctx.df, ctx.slo
     if df.height < 200:
         return []
     g = (df.with_columns((pl.col("t0") // int(bin_s * 1e9)).alias("bin"))
@@ -255,8 +269,10 @@ def load_correlation(df: pl.DataFrame, slo: SLO, bin_s: float = 10.0) -> list[di
                                  p99_ttft_ms=p99)) else []
 
 
-def version_regression(df: pl.DataFrame) -> list[dict]:
+@detector("regression")
+def version_regression(ctx: Context) -> list[Finding]:
     """Two service versions in the window: which phase shifted (Mann-Whitney, p < 0.001)."""
+    df = ctx.df
     if "version" not in df.columns or df["version"].n_unique() < 2:
         return []
     order = df.group_by("version").agg(pl.col("t0").min()).sort("t0")["version"].to_list()
@@ -276,5 +292,5 @@ def version_regression(df: pl.DataFrame) -> list[dict]:
                      request_ids=med["request_id"].to_list(), trace_ids=med["trace_id"].to_list())]
 
 
-def rank(findings: list[dict]) -> list[dict]:
+def rank(findings: list[Finding]) -> list[Finding]:
     return sorted([f for f in findings if f], key=lambda f: (SEVERITY_ORDER[f["severity"]], -f["score"]))

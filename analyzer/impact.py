@@ -3,7 +3,8 @@
 For a finding whose cause is time inside requests (a phase, a class of gap, the first
 requests after a start), the counterfactual is computed in polars over the per-request
 decomposition: each request's TTFT with the cause's time removed (or replaced by its healthy
-baseline, the phase's 10th percentile), then ``impact_ms[q] = p_q(TTFT) - p_q(TTFT without
+baseline: the phase's 10th percentile, or for receive/intake/deliver a fixed floor when
+lower), then ``impact_ms[q] = p_q(TTFT) - p_q(TTFT without
 the cause)`` for p50, p95 and p99, with the requests it touches.
 
 Severity then comes from that impact against the SLO, at the percentile the SLO is tightest
@@ -29,9 +30,20 @@ QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 _ORDER = {"high": 0, "medium": 1, "low": 2}
 
 
-def _excess(col: str) -> pl.Expr:
-    """Time above the phase's healthy baseline (its 10th percentile over the window)."""
-    return (pl.col(col) - pl.col(col).quantile(0.1, "lower")).clip(lower_bound=0)
+#: what a phase costs on a healthy server, whatever the load: an IPC hop, a JSON parse, one
+#: event-loop turn. A fault that hits every request alike (a stalled event loop) lifts the
+#: window's own 10th percentile too; against this floor its whole size still counts.
+HEALTHY_NS = {"receive": 1_000_000, "intake": 1_000_000, "deliver": 2_000_000}
+
+
+def _excess(col: str, expr: pl.Expr | None = None) -> pl.Expr:
+    """Time above the phase's healthy baseline: its 10th percentile over the window, or the
+    healthy floor (``HEALTHY_NS``) when that is lower."""
+    e = pl.col(col) if expr is None else expr
+    base = e.quantile(0.1, "lower")
+    if col in HEALTHY_NS:
+        base = pl.min_horizontal(base, pl.lit(HEALTHY_NS[col]))
+    return (e - base).clip(lower_bound=0)
 
 
 def _phase(col: str) -> Callable[[dict], pl.Expr]:
@@ -50,14 +62,16 @@ def _first_requests(f: dict) -> pl.Expr:
 REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     **{f"{p}_dominates": _phase(p) for p in ("receive", "tokenize", "intake", "load")},
     # a non-streaming response's generation after the first token is not the delivery path
-    "deliver_dominates": lambda f: (lambda d: (d - d.quantile(0.1, "lower")).clip(lower_bound=0))(
-        pl.col("deliver") - pl.col("deliver_generation")),
+    "deliver_dominates": lambda f: _excess("deliver", pl.col("deliver") - pl.col("deliver_generation")),
     "queue_dominates": _phase("queue"),
     "chunk_wait": lambda f: pl.col("gap_chunk_wait"),
     "host_gap": lambda f: pl.col("gap_host"),
     "tokenizer_long_prompts": lambda f: _excess("tokenize"),
     "allreduce_concurrency": lambda f: _excess("allreduce"),
     "cold_requests": _first_requests,
+    # every step is stretched by the engine core's host share: so is each request's time in the engine
+    "engine_host_overhead": lambda f: (pl.col("intake") + pl.col("queue") + pl.col("prefill") + pl.col("allreduce")
+                                       + pl.col("gap_schedule") + pl.col("gap_chunk_wait")) * f["size"],
 }
 
 

@@ -28,6 +28,7 @@ from .advise import advise
 from .coldstart import cold_start
 from .compare import change_points
 from .decompose import by_percentile_band, decompose, phase_stats, tail_attribution
+from .findings import Context, run_detectors
 from .gaps import engine_bubbles, request_gaps
 from .slo import SLO, attainment
 from .window import Window
@@ -72,11 +73,8 @@ def analyze(store, window: Window, slo: SLO | None = None,
 
     report["steps"] = step_anatomy(store, window)
     prog(4, total, "bottlenecks: detectors and ranking")
-    findings = bn.rank(
-        bn.phase_dominance(df, slo) + bn.chunk_waits(df) + bn.host_gaps(df) + bn.tokenizer_long_prompts(df)
-        + bn.allreduce_concurrency(store, window) + bn.cold_start_findings(cold, slo)
-        + bn.engine_bubble_findings(bubbles) + bn.load_correlation(df, slo) + bn.version_regression(df)
-        + bn.cold_requests(df, cold) + bn.prefix_cache_misses(store, window, float(df["ttft"].sum()) / 1e6 if df.height else None))
+    ctx = Context(store, window, slo, df, cold=cold, bubbles=bubbles, steps=report["steps"])
+    findings = bn.rank(run_detectors(ctx))
     from .impact import calibrate
 
     findings = calibrate(findings, df, slo)

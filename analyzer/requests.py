@@ -45,15 +45,21 @@ def choices(df: pl.DataFrame) -> dict[str, list[str]]:
 
 
 def timeseries(df: pl.DataFrame, points: int = 60) -> pl.DataFrame:
-    """TTFT p50/p95/p99 (ms) and request rate (req/s) per interval, ~``points`` intervals."""
+    """TTFT p50/p95/p99 (ms) and request rate (req/s) per interval, ~``points`` intervals.
+    An interval without requests is a row with null percentiles and rate 0, so a chart
+    breaks its lines across idle periods instead of drawing them straight through."""
     if df.height == 0:
         return pl.DataFrame(schema={"time": pl.Datetime("ns", "UTC"), "p50": pl.Float64, "p95": pl.Float64,
                                     "p99": pl.Float64, "rate": pl.Float64, "requests": pl.UInt32})
     span = max(int(df["t0"].max() - df["t0"].min()), 1)
     step = max(span // points, 10**9)
-    return (df.with_columns((pl.col("t0") // step * step).alias("b"))
-            .group_by("b").agg(pl.col("ttft").quantile(0.5).alias("p50"), pl.col("ttft").quantile(0.95).alias("p95"),
-                                pl.col("ttft").quantile(0.99).alias("p99"), pl.len().alias("requests"))
+    agg = (df.with_columns((pl.col("t0") // step * step).alias("b"))
+           .group_by("b").agg(pl.col("ttft").quantile(0.5).alias("p50"), pl.col("ttft").quantile(0.95).alias("p95"),
+                               pl.col("ttft").quantile(0.99).alias("p99"), pl.len().cast(pl.UInt32).alias("requests")))
+    lo, hi = int(agg["b"].min()), int(agg["b"].max())
+    every = pl.DataFrame({"b": pl.int_range(lo, hi + step, step, eager=True, dtype=pl.Int64)})
+    return (every.join(agg.with_columns(pl.col("b").cast(pl.Int64)), on="b", how="left")
+            .with_columns(pl.col("requests").fill_null(0))
             .sort("b")
             .with_columns(pl.from_epoch(pl.col("b"), "ns").dt.replace_time_zone("UTC").alias("time"),
                           *[(pl.col(c) / 1e6) for c in ("p50", "p95", "p99")],

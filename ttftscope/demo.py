@@ -28,6 +28,11 @@ PROFILES = [
 TP2 = Profile("tp2", num_prompts=30, request_rate=5, input_len=256, output_len=8)
 
 
+def _dur(ms: float) -> str:
+    """A duration with its unit: ``17.5 ms``, ``18.9 s``."""
+    return f"{ms / 1000:.1f} s" if ms >= 10_000 else f"{ms:.1f} ms"
+
+
 def main_cause(report: dict) -> str:
     """The top request-level finding, else the phase that dominates the p99 tail."""
     fs = [f for f in report.get("findings", []) if not f["kind"].startswith("cold_start")]
@@ -111,21 +116,28 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
         store = open_store(store_url, create=False)
         an = Analyzer(store)
         # the client's stopwatch (vllm bench serve) next to the report's TTFT, per profile
-        print(f"\n{'profile':<15}{'requests':>9}{'TTFT p50':>10}{'client':>9}{'TTFT p99':>10}{'client':>9}  main cause")
+        print(f"\n{'profile':<15}{'requests':>9}{'TTFT p50':>12}{'client':>12}{'TTFT p99':>12}{'client':>12}  main cause")
         for p, res, err in results:
             if res is None:
-                print(f"{p.name:<15}{'-':>9}{'-':>10}{'-':>9}{'-':>10}{'-':>9}  {err}")
+                print(f"{p.name:<15}{'-':>9}{'-':>12}{'-':>12}{'-':>12}{'-':>12}  {err}")
                 continue
             lo, hi = res["window_ns"]
             r = an.analyze(Window(lo, hi + 2 * 10**9, run=run), SLO())
             cause = main_cause(r)
             res["report"] = r
-            print(f"{p.name:<15}{r.get('requests', 0):>9}{r.get('ttft_ms', {}).get('p50', 0):>9.1f}m"
-                  f"{res['median_ttft_ms']:>8.1f}m{r.get('ttft_ms', {}).get('p99', 0):>9.1f}m"
-                  f"{res['p99_ttft_ms']:>8.1f}m  {cause}")
+            t = r.get("ttft_ms", {})
+            print(f"{p.name:<15}{r.get('requests', 0):>9}{_dur(t.get('p50', 0)):>12}{_dur(res['median_ttft_ms']):>12}"
+                  f"{_dur(t.get('p99', 0)):>12}{_dur(res['p99_ttft_ms']):>12}  {cause}")
+        print("\nfindings per profile (each over its own window; impact = TTFT p50 saved without the cause)")
+        for p, res, _ in results:
+            fs = [f for f in ((res or {}).get("report") or {}).get("findings", [])][:3]
+            print(f"  {p.name}:" + ("" if fs else " nothing stands out"))
+            for f in fs:
+                imp = f.get("impact_ms")
+                print(f"    [{f['severity']}] {f['title']}" + (f"  (impact p50 {_dur(imp['p50'])})" if imp else ""))
         whole = an.analyze(Window(results[0][1]["window_ns"][0] - 600 * 10**9 if results and results[0][1] else 0,
                                   time.time_ns() + 10**9, run=run), SLO())
-        print()
+        print("\nthe whole run (cold starts included):")
         print(render_text(whole))
         runs = store.query("SELECT ResourceAttributes['ttftscope.run'] AS run, count() AS spans FROM otel_traces "
                            "WHERE ResourceAttributes['ttftscope.run'] != '' GROUP BY run ORDER BY run")

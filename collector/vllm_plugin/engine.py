@@ -204,9 +204,16 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     except Exception:  # noqa: BLE001
         pass
     chunks = []
-    for req_id, n in out.num_scheduled_tokens.items():
+    ns = out.num_scheduled_tokens
+    # only a request scheduled for the first time, or one whose prefill is still in progress
+    # (in st.chunks), can compute prompt tokens: a decode step costs no Python per running request
+    for req_id in dict.fromkeys([*(nr.req_id for nr in out.scheduled_new_reqs or ()), *st.chunks]):
+        n = ns.get(req_id)
         req = sched.requests.get(req_id)
-        if req is None or not sampled(req.trace_headers):
+        if req is None:
+            st.chunks.pop(req_id, None)  # finished or aborted mid-prefill
+            continue
+        if n is None or not sampled(req.trace_headers):
             continue
         before = req.num_computed_tokens - n  # schedule() already advanced it
         if before < req.num_prompt_tokens:  # a prefill chunk

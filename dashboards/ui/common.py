@@ -162,3 +162,17 @@ def live_tick() -> int:
 
 def fmt_ms(v) -> str:
     return "–" if v is None else f"{v:,.1f} ms"
+
+
+def table(data, **kw) -> None:
+    """``st.dataframe`` with floats rounded for reading (1 decimal from 100 up, else 3)."""
+    import polars as pl
+
+    try:
+        df = data if isinstance(data, pl.DataFrame) else pl.DataFrame(data)
+        floats = [c for c, t in df.schema.items() if t in (pl.Float32, pl.Float64)]
+        df = df.with_columns([pl.when(pl.col(c).abs() >= 100).then(pl.col(c).round(1)).otherwise(pl.col(c).round(3))
+                              .alias(c) for c in floats])
+    except Exception:  # noqa: BLE001 - mixed rows: show them as they are
+        df = data
+    st.dataframe(df, **kw)

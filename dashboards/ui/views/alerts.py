@@ -11,6 +11,7 @@ import streamlit as st
 from ttftscope.alerts.rules import generate as gen_rules
 from ttftscope.alerts.slo_file import SLOFileError, load_slo
 from ttftscope.dashboards.grafana import generate as gen_grafana
+from ttftscope.dashboards.ui.common import table
 
 st.title("Alerts")
 example = Path(__file__).resolve().parents[3] / "alerts" / "slo.example.yaml"
@@ -37,7 +38,7 @@ with tempfile.TemporaryDirectory() as d:
     rows = [{"alert": r["alert"], "severity": r["labels"]["severity"], "for": r["for"], "summary": r["annotations"]["summary"]}
             for g in groups for r in g["rules"] if "alert" in r]
     st.subheader(f"{len(rows)} alerts from this SLO")
-    st.dataframe(rows, hide_index=True, width="stretch")
+    table(rows, hide_index=True, width="stretch")
     with st.expander("Prometheus rules (YAML)"):
         st.code(rules_text, language="yaml")
     buf = io.BytesIO()
@@ -59,7 +60,7 @@ if prom:
         r.raise_for_status()
         alerts = [a for a in r.json()["data"]["alerts"] if a["labels"].get("alertname")]
         if alerts:
-            st.dataframe([{"alert": a["labels"]["alertname"], "state": a["state"], "severity": a["labels"].get("severity"),
+            table([{"alert": a["labels"]["alertname"], "state": a["state"], "severity": a["labels"].get("severity"),
                            "since": a.get("activeAt"), **{k: v for k, v in a["labels"].items() if k not in ("alertname", "severity")}}
                           for a in alerts], hide_index=True)
         else:

@@ -12,6 +12,7 @@ from ttftscope.dashboards.ui.common import (
     guard,
     report,
     sidebar_window,
+    table,
 )
 
 st.title("Where TTFT goes")
@@ -59,7 +60,7 @@ with guard():
     bar.update_layout(height=320, yaxis_tickformat=".0%", margin={"t": 10, "b": 10})
     st.plotly_chart(bar, width="stretch")
     stats = phase_stats(df)
-    st.dataframe(pl.DataFrame([{"phase": p, **v} for p, v in stats["phases"].items()]), hide_index=True,
+    table(pl.DataFrame([{"phase": p, **v} for p, v in stats["phases"].items()]), hide_index=True,
                  width="stretch")
     st.subheader("Critical path per percentile band (walk-back from the first token)")
     rep = report(w, st.session_state.get("slo_spec"))

@@ -14,6 +14,7 @@ from ttftscope.dashboards.ui.common import (
     decomposition,
     guard,
     sidebar_window,
+    table,
 )
 
 st.title("Compare")
@@ -54,7 +55,7 @@ with guard():
     sig = {s["phase"] for s in significant_shifts(res)}
     rows = [{"phase": k, f"median {la} ms": v["median_a_ms"], f"median {lb} ms": v["median_b_ms"], "shift": v["shift"],
              "p-value": v["p_value"], "significant": k in sig} for k, v in res["phases"].items()]
-    st.dataframe(pl.DataFrame(rows), hide_index=True, width="stretch")
+    table(pl.DataFrame(rows), hide_index=True, width="stretch")
     fig = go.Figure()
     fig.add_bar(x=[r["phase"] for r in rows], y=[r[f"median {la} ms"] for r in rows], name=str(la))
     fig.add_bar(x=[r["phase"] for r in rows], y=[r[f"median {lb} ms"] for r in rows], name=str(lb))

@@ -2,7 +2,7 @@
 
 import polars as pl
 import streamlit as st
-from ttftscope.dashboards.ui.common import SEVERITY_ICON, guard, report, sidebar_window
+from ttftscope.dashboards.ui.common import SEVERITY_ICON, guard, report, sidebar_window, table
 
 st.title("Gaps & bottlenecks")
 with guard():
@@ -29,12 +29,12 @@ with guard():
                 st.caption("requests: " + ", ".join(map(str, rids[:10])))
     st.subheader("Idle time inside TTFT, by kind")
     g = r["gaps"]["request"]
-    st.dataframe(pl.DataFrame([{"kind": k, "total_ms": v["total_ms"], "share_of_ttft": v["share_of_ttft"],
+    table(pl.DataFrame([{"kind": k, "total_ms": v["total_ms"], "share_of_ttft": v["share_of_ttft"],
                                 "requests": v["requests_affected"], "p99_ms": v["p99_ms"]} for k, v in g.items()]),
                  hide_index=True, width="stretch")
     e = r["gaps"]["engine"]
     st.subheader("Engine bubbles (idle while requests waited)")
     st.write(f"{e['bubbles']} bubbles, {e['idle_ms']:.1f} ms idle ({e['idle_share']:.1%} of engine time) over {e['steps']} steps")
     if e["top"]:
-        st.dataframe(pl.DataFrame([{k: v for k, v in t.items() if k != "delayed_requests"} | {
+        table(pl.DataFrame([{k: v for k, v in t.items() if k != "delayed_requests"} | {
             "delayed": len(t["delayed_requests"])} for t in e["top"]]), hide_index=True)

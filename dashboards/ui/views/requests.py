@@ -13,6 +13,7 @@ from ttftscope.dashboards.ui.common import (
     decomposition,
     guard,
     sidebar_window,
+    table,
 )
 
 st.title("Requests")
@@ -24,7 +25,7 @@ with guard():
     if top.height == 0:
         st.info("No requests in this window.")
     else:
-        st.dataframe(top, hide_index=True, width="stretch", height=260)
+        table(top, hide_index=True, width="stretch", height=260)
     default = st.query_params.get("trace", "") or (top["trace_id"][0] if top.height else "")
     q = st.text_input("Request id or trace id", value=default)
     if not q:
@@ -67,6 +68,6 @@ with guard():
     st.download_button("Download as Perfetto JSON", orjson.dumps(a.export_perfetto(trace_ids=[tid])),
                        file_name=f"{tid}.perfetto.json", mime="application/json")
     st.subheader("Spans and attributes")
-    st.dataframe(tracks.select("name", "track", "start_ms", "dur_ms", "span_id", "parent",
+    table(tracks.select("name", "track", "start_ms", "dur_ms", "span_id", "parent",
                                pl.col("attributes").map_elements(lambda m: orjson.dumps(dict(m)).decode(), return_dtype=pl.Utf8)),
                  hide_index=True, width="stretch")

@@ -1,0 +1,31 @@
+"""Engine host overhead: the share of every engine step the engine core spends in Python.
+
+From the step anatomy (``steps.step_anatomy``): ``schedule()`` plus ``update_from_output()``
+against the workers' execution. While the engine core schedules and processes outputs the
+model does not run (without async scheduling), so every request's time in the engine —
+intake, queue, prefill and the waits between its chunks — is stretched by that share. The
+impact (``impact.REMOVED``) is that stretch: a request's engine time times the host share.
+"""
+
+from __future__ import annotations
+
+from .findings import Context, Finding, detector, finding
+
+#: below this the engine core's Python is not what to look at first
+MIN_SHARE = 0.15
+
+
+@detector("engine_host_overhead")
+def engine_host_overhead(ctx: Context, min_steps: int = 20) -> list[Finding]:
+    a = ctx.steps.get("all")
+    if not a or a["steps"] < min_steps:
+        return []
+    share = float(a["host_share"])
+    sev = "high" if share >= 0.4 else "medium" if share >= 0.25 else "low" if share >= MIN_SHARE else None
+    sched, upd, exe = a["schedule_us_per_step"] / 1e3, a["update_us_per_step"] / 1e3, a["execute_us_per_step"] / 1e3
+    f = finding("engine_host_overhead", sev, share, "share", share,
+                f"the engine core's own Python is {share:.0%} of every step (schedule {sched:.1f} ms + output "
+                f"processing {upd:.1f} ms per step, against {exe:.1f} ms executing the model)",
+                steps=a["steps"], schedule_ms_per_step=sched, update_ms_per_step=upd, execute_ms_per_step=exe,
+                prefill_steps=ctx.steps.get("prefill_steps"), decode_steps=ctx.steps.get("decode_steps"))
+    return [f] if f else []

