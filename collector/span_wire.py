@@ -180,7 +180,7 @@ class OtlpHttpPoster:
     def export(self, body: bytes) -> bool:
         if self.gzip:
             body = gzip.compress(body, compresslevel=1)
-        for _ in (0, 1):  # a kept-alive connection the server closed: one fresh try
+        for _ in (0, 1):
             reused = self._conn is not None
             conn = self._conn or self._connect()
             self._conn = None
@@ -194,10 +194,17 @@ class OtlpHttpPoster:
                 else:
                     conn.close()
                 return 200 <= resp.status < 300
-            except (OSError, http.client.HTTPException):
+            except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
+                # (RemoteDisconnected is a ConnectionResetError) a kept-alive connection the
+                # server had closed: it never read this request, so one fresh try is safe
                 conn.close()
                 if not reused:
                     return False
+            except (OSError, http.client.HTTPException):
+                # a timeout or anything else: the server may have stored the spans; sending them
+                # again would store them twice, so they count as failed (at most lost, never doubled)
+                conn.close()
+                return False
         return False
 
     def close(self) -> None:
