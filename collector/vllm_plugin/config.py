@@ -66,7 +66,9 @@ class PluginConfig:
     max_queue: int = 8192
     max_batch: int = 512
     interval_s: float = 0.5
-    export_timeout_s: float = 2.0
+    #: a loaded collector may take seconds to answer (it fsyncs before it acknowledges): only the
+    #: export thread waits, and a batch that times out is counted failed, never sent twice
+    export_timeout_s: float = 10.0
     #: adapters switched off by name (TTFTSCOPE_DISABLE=a,b)
     disabled: frozenset[str] = field(default_factory=frozenset)
 
@@ -89,6 +91,6 @@ class PluginConfig:
             max_queue=int(_float(env, "OTEL_BSP_MAX_QUEUE_SIZE", 8192, 64)),
             max_batch=int(_float(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, 1)),
             interval_s=_float(env, "OTEL_BSP_SCHEDULE_DELAY", 500, 10) / 1000,
-            export_timeout_s=_float(env, "OTEL_BSP_EXPORT_TIMEOUT", 2000, 100) / 1000,
+            export_timeout_s=_float(env, "OTEL_BSP_EXPORT_TIMEOUT", 10_000, 100) / 1000,
             disabled=frozenset(x.strip() for x in env.get("TTFTSCOPE_DISABLE", "").split(",") if x.strip()),
         )
