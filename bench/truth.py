@@ -10,7 +10,8 @@ test-only vLLM plugin in tests/planted, or a flag:
 
 and reports, over all trials: top-1 accuracy (the first finding is the planted cause), the
 impact error (|impact_ms.p50 - measured effect| / measured effect, where the measured effect
-is the client's own TTFT p50 with the fault minus the clean run's, in the same trial), and
+is the client's own TTFT p50 with the fault minus the clean run's, in the same trial; for
+nocache the load also differs by its shared prefix, so only top-1 counts there), and
 how often the control stayed quiet.
 
 Usage: python bench/truth.py [--trials 3]
@@ -19,6 +20,7 @@ Usage: python bench/truth.py [--trials 3]
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -26,22 +28,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_client_ttft import PLANTED, STALL_MS, _analyze, _served  # noqa: E402
+from test_client_ttft import PLANTED, STALL_MS, _analyze, _drive, _served  # noqa: E402
 
-SCENARIOS = {  # name -> (server env, extra vLLM flags, the finding that names the cause)
-    "stall": ({"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)}, None, "deliver_dominates"),
-    "nocache": ({}, ["--no-enable-prefix-caching"], "prefix_cache_misses"),
+SCENARIOS = {  # name -> (server env, extra vLLM flags, shared-prefix traffic, the finding that names the cause)
+    "stall": ({"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)}, None, False,
+              "deliver_dominates"),
+    "nocache": ({}, ["--no-enable-prefix-caching"], True, "prefix_cache_misses"),
 }
 
 
 def trial(tmp: Path) -> dict:
+    for name in ("clean", *SCENARIOS):
+        (tmp / name).mkdir()
     base, base_store = _served(tmp / "clean", "clean")
     clean = _analyze(base_store, "clean")
     base_p50 = float(base["client_ms"].median())
     out = {"clean": {"quiet": all(f["severity"] == "low" for f in clean["findings"]),
                      "findings": [(f["severity"], f["kind"]) for f in clean["findings"]]}}
-    for name, (env, extra, want) in SCENARIOS.items():
-        df, store = _served(tmp / name, name, env=env or None, extra=extra)
+    for name, (env, extra, shared, want) in SCENARIOS.items():
+        df, store = _served(tmp / name, name, env=env or None, extra=extra, drive=functools.partial(_drive, shared=shared))
         rep = _analyze(store, name)
         effect = float(df["client_ms"].median()) - base_p50
         top = rep["findings"][0] if rep["findings"] else None
