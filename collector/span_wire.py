@@ -59,17 +59,11 @@ def _cached(cache: dict[str, bytes], tag: bytes, s: str) -> bytes:
 
 
 def any_value(v) -> bytes:
-    """An ``AnyValue`` (string 1, bool 2, int64 3, double 4); other types as their str()."""
-    t = type(v)
-    if t is str:
+    """An ``AnyValue`` (string 1, bool 2, int64 3, double 4); other types as their str().
+    (``key_values`` inlines the common str and small-int cases before calling this.)"""
+    if isinstance(v, str):
         return field(b"\x0a", v.encode())
-    if t is bool:
-        return b"\x10\x01" if v else b"\x10\x00"
-    if t is int:
-        return b"\x18" + varint(v & _MASK64)
-    if t is float:
-        return b"\x21" + _pack_d(v)
-    if isinstance(v, bool):
+    if isinstance(v, bool):  # before int: a bool is an int
         return b"\x10\x01" if v else b"\x10\x00"
     if isinstance(v, int):
         return b"\x18" + varint(int(v) & _MASK64)
