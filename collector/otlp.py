@@ -421,6 +421,137 @@ def decode_protobuf(body: bytes, builder: SpanBatchBuilder) -> None:
     report.accepted += accepted
 
 
+# ------------------------------------------------- protobuf, checked for the chDB decoder
+
+_Z16, _Z8 = bytes(16), bytes(8)
+
+
+def _clip_kvs(kvs, lim: Limits, report: DecodeReport) -> bool:
+    """Apply the attribute limits to a repeated KeyValue in place; True when it changed.
+
+    A value whose text form is too long becomes a string value holding the cut text, so
+    the stored text is what the Python decoder stores."""
+    changed = False
+    if len(kvs) > lim.max_attributes:
+        report.warn(f"attributes dropped beyond {lim.max_attributes} per map", len(kvs) - lim.max_attributes)
+        del kvs[lim.max_attributes:]
+        changed = True
+    max_val = lim.max_value_bytes
+    long = 0
+    for kv in kvs:
+        v = kv.value
+        w = v.WhichOneof("value")
+        if w == "string_value":
+            if len(v.string_value) > max_val:
+                v.string_value = v.string_value[:max_val]
+                long += 1
+        elif w in ("bytes_value", "array_value", "kvlist_value"):
+            text = _pb_value(v)
+            if len(text) > max_val:
+                v.string_value = text[:max_val]
+                long += 1
+    if long:
+        report.warn(f"attribute values truncated to {max_val} characters", long)
+    return changed or bool(long)
+
+
+def _why_span(sp, lo: int, hi: int, max_dur: int) -> str | None:
+    """``SpanBatchBuilder.check_span`` on raw bytes (the same reasons, word for word)."""
+    tid, sid, pid = sp.trace_id, sp.span_id, sp.parent_span_id
+    if len(tid) != 16 or tid == _Z16:
+        return "invalid trace id (need 16 non-zero bytes)"
+    if len(sid) != 8 or sid == _Z8:
+        return "invalid span id (need 8 non-zero bytes)"
+    if pid and len(pid) != 8:
+        return "invalid parent span id (need 8 bytes or empty)"
+    start, end = sp.start_time_unix_nano, sp.end_time_unix_nano
+    if start < lo or start > hi:
+        return "absurd start timestamp (before 2000 or too far in the future)"
+    if end < start:
+        return "end before start"
+    if end - start > max_dur:
+        return "absurd duration (longer than the limit)"
+    return None
+
+
+def _clip_span(sp, path: str, lim: Limits, report: DecodeReport) -> tuple[str | None, bool]:
+    """(reason to reject, changed) for a span that may exceed a limit: ``add_span``'s rules."""
+    for n, e in enumerate(sp.events):
+        if e.time_unix_nano >= 1 << 63:
+            return f"{path}.events[{n}].timeUnixNano: out of range (must be below 2^63)", False
+    for n, ln in enumerate(sp.links):
+        if len(ln.trace_id) != 16 or len(ln.span_id) != 8:
+            return f"{path}.links[{n}]: invalid trace id or span id (need 16 and 8 bytes)", False
+    changed = False
+    max_name = lim.max_name_bytes
+    if len(sp.name) > max_name:
+        report.warn(f"names truncated to {max_name} characters")
+        sp.name = sp.name[:max_name]
+        changed = True
+    changed |= _clip_kvs(sp.attributes, lim, report)
+    if len(sp.events) > lim.max_events:
+        report.warn(f"events dropped beyond {lim.max_events} per span", len(sp.events) - lim.max_events)
+        del sp.events[lim.max_events:]
+        changed = True
+    for e in sp.events:
+        if len(e.name) > max_name:
+            report.warn(f"names truncated to {max_name} characters")
+            e.name = e.name[:max_name]
+            changed = True
+        changed |= _clip_kvs(e.attributes, lim, report)
+    if len(sp.links) > lim.max_links:
+        report.warn(f"links dropped beyond {lim.max_links} per span", len(sp.links) - lim.max_links)
+        del sp.links[lim.max_links:]
+        changed = True
+    for ln in sp.links:
+        changed |= _clip_kvs(ln.attributes, lim, report)
+    return None, changed
+
+
+def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | None = None) -> tuple[bytes, DecodeReport]:
+    """Check a binary ``ExportTraceServiceRequest`` the way :func:`decode_protobuf` does and
+    return the body to store (the same bytes unless a span was rejected or clipped) and the
+    report for the response. What the store keeps is decoded later, in bulk, by chDB
+    (``otlp_sql``); this pass reads a few fields per span and nothing per attribute, except
+    for spans that may exceed a limit (big ones, many attributes, events or links)."""
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    try:
+        req.ParseFromString(body)
+    except (_PbDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise DecodeError(f"invalid protobuf ExportTraceServiceRequest: {e}") from None
+    lim = limits or Limits()
+    report = DecodeReport()
+    now = now_ns if now_ns is not None else time.time_ns()
+    lo, hi, max_dur = lim.min_start_ns, now + lim.max_future_ns, lim.max_duration_ns
+    max_attrs = lim.max_attributes
+    # a span's attribute text can be up to ~4x its encoded size (JSON of tiny nested
+    # values); smaller spans cannot reach any length limit
+    small = min(lim.max_value_bytes, lim.max_name_bytes) // 4
+    may_be_long = len(body) > small
+    changed = False
+    accepted = 0
+    for i, rs in enumerate(req.resource_spans):
+        changed |= _clip_kvs(rs.resource.attributes, lim, report)
+        for j, ss in enumerate(rs.scope_spans):
+            drop: list[int] = []
+            for k, sp in enumerate(ss.spans):
+                why = _why_span(sp, lo, hi, max_dur)
+                if why is None and (len(sp.attributes) > max_attrs or sp.events or sp.links
+                                    or (may_be_long and sp.ByteSize() > small)):
+                    why, ch = _clip_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lim, report)
+                    changed |= ch
+                if why is not None:
+                    report.reject(why)
+                    drop.append(k)
+                else:
+                    accepted += 1
+            for k in reversed(drop):
+                del ss.spans[k]
+            changed |= bool(drop)
+    report.accepted = accepted
+    return (req.SerializeToString() if changed else body), report
+
+
 # ----------------------------------------------------------------------------- JSON
 
 

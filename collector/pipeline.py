@@ -9,6 +9,7 @@ instead of losing data.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,8 @@ import pyarrow as pa
 from ttftscope.schemas.store import Store
 
 from .metrics import CollectorMetrics
-from .spool import Segment, Spool
+from .otlp_sql import decode_bodies, warm_up
+from .spool import ARROW, OTLP, Segment, Spool
 
 log = logging.getLogger("ttftscope.collector")
 
@@ -72,19 +74,29 @@ class Pipeline:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._observed: set[int] = set()  # segments whose spans the phase metrics counted
         self._update_gauges()
 
     # ----------------------------------------------------------------- intake
     def submit(self, table: pa.Table) -> None:
         """Make ``table`` durable in the spool, or raise :class:`Backpressure`."""
+        self._append(to_ipc(table), table.num_rows, ARROW)
+
+    def submit_otlp(self, body: bytes, rows: int) -> None:
+        """Make a checked OTLP protobuf body (``otlp.accept_protobuf``) of ``rows`` spans
+        durable in the spool, or raise :class:`Backpressure`. It is decoded at flush time,
+        with every other body of its segment, in one chDB query."""
+        self._append(body, rows, OTLP)
+
+    def _append(self, payload: bytes, rows: int, kind: bytes) -> None:
         if self.spool.pending_bytes >= self.max_spool_bytes:
-            self.metrics.spans_dropped.inc(table.num_rows)
+            self.metrics.spans_dropped.inc(rows)
             if not self.store_healthy:
                 raise Backpressure(503, 5, f"store unavailable ({self.last_error}); spool full, retry later")
             raise Backpressure(429, 1, "collector queue full; retry later")
-        if self.spool.append(to_ipc(table), table.num_rows):
+        if self.spool.append(payload, rows, kind):
             self._wake.set()  # a new segment: the flusher's next deadline is its age limit
-        self.metrics.spans_accepted.inc(table.num_rows)
+        self.metrics.spans_accepted.inc(rows)
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -101,8 +113,31 @@ class Pipeline:
             self.store = self.store_factory()
         return self.store
 
+    def _decode(self, seg: Segment) -> pa.Table | None:
+        records = self.spool.records(seg)
+        tables = []
+        arrow = [p for k, p in records if k == ARROW]
+        if arrow:
+            tables.append(from_ipc(arrow))
+        otlp = [p for k, p in records if k == OTLP]
+        if otlp:
+            tables.append(decode_bodies(otlp, scratch_dir=self.spool.dir))
+        return pa.concat_tables(tables) if tables else None
+
+    def _observe(self, seg: Segment, table: pa.Table | None) -> None:
+        """The phase metrics of a segment's spans, once per segment (a write that fails is
+        retried; its spans are not counted twice)."""
+        if seg.seq in self._observed or table is None or not table.num_rows:
+            return
+        self._observed.add(seg.seq)
+        try:
+            self.metrics.phases.observe(table)
+        except Exception:  # noqa: BLE001 - metrics must never stop spans reaching the store
+            log.exception("phase metrics failed for a batch")
+
     def _write(self, seg: Segment) -> None:
-        table = from_ipc(self.spool.read(seg))
+        table = self._decode(seg)
+        self._observe(seg, table)
         t0 = time.perf_counter()
         if table is not None and table.num_rows:
             self._get_store().insert_spans(table, self.spool.token(seg))
@@ -110,6 +145,7 @@ class Pipeline:
         self.metrics.batch_spans.observe(seg.rows)
         self.metrics.spans_written.inc(seg.rows)
         self.spool.remove(seg)
+        self._observed.discard(seg.seq)
 
     def flush_once(self) -> int:
         """Seal what is due and write every sealed segment. Returns spans written."""
@@ -124,6 +160,12 @@ class Pipeline:
     def _run(self) -> None:
         delay = self.retry_initial_s
         last_maintain = time.monotonic()
+        # threads chDB starts from here inherit this mask: SIGTERM/SIGINT go to the main thread
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        try:
+            warm_up()
+        except Exception as e:  # noqa: BLE001 - the first flush reports it
+            log.warning("cannot start the chDB engine yet: %s", e)
         while not self._stop.is_set():
             try:
                 if self.store is None:  # (re)connect even when idle, so health is known early

@@ -20,7 +20,7 @@ import orjson
 from google.rpc import status_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .otlp import DecodeError, Limits, decode, encode_response
+from .otlp import DecodeError, Limits, accept_protobuf, decode, encode_response
 from .pipeline import Backpressure, Pipeline
 
 log = logging.getLogger("ttftscope.collector")
@@ -284,8 +284,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _export(self, body: bytes, kind: str) -> None:
         m = self.server.metrics
+        limits = self.server.config.limits
+        table = None
         try:
-            table, report = decode(body, kind, self.server.config.limits)
+            if kind == "protobuf":  # stored as received (checked, clipped); decoded in bulk later
+                body, report = accept_protobuf(body, limits)
+            else:
+                table, report = decode(body, kind, limits)
         except DecodeError as e:
             self._error(400, str(e), kind)
             return
@@ -296,9 +301,12 @@ class _Handler(BaseHTTPRequestHandler):
         m.spans_received.inc(report.accepted + report.rejected)
         for reason, cnt in report.reasons.items():
             m.spans_rejected.labels(reason).inc(cnt)
-        if table.num_rows:
+        if report.accepted:
             try:
-                self.server.pipeline.submit(table)
+                if table is None:
+                    self.server.pipeline.submit_otlp(body, report.accepted)
+                else:
+                    self.server.pipeline.submit(table)
             except Backpressure as e:
                 self._error(e.status, str(e), kind, {"Retry-After": str(e.retry_after)})
                 return
@@ -306,10 +314,6 @@ class _Handler(BaseHTTPRequestHandler):
                 log.exception("cannot spool a batch")
                 self._error(503, f"cannot persist the batch: {e}", kind, {"Retry-After": "5"})
                 return
-            try:
-                m.phases.observe(table)
-            except Exception:  # noqa: BLE001 - metrics must never fail an accepted request
-                log.exception("phase metrics failed for a batch")
         ctype = "application/x-protobuf" if kind == "protobuf" else "application/json"
         self._send(200, encode_response(report, kind), ctype)
 

@@ -92,7 +92,10 @@ def serve(collector: Collector, ready_message: bool = True) -> int:
         if pending:
             msg += f" ({pending} spooled spans from a previous run will be delivered)"
         print(msg, flush=True)
-    stop.wait()
+    # wake up now and then: a signal delivered to one of chDB's threads only flags it for
+    # the main thread, which must be running to act on it (a bare wait() could sleep forever)
+    while not stop.wait(0.5):
+        pass
     ok = collector.stop()
     acked = int(collector.metrics.spans_accepted._value.get())
     left = collector.spool.pending_rows

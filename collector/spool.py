@@ -1,7 +1,8 @@
 """The write-ahead spool: an acknowledged span is on local disk before the client hears 200.
 
-Requests are appended as framed records (magic, length, rows, CRC32, Arrow IPC payload) to
-the open segment; callers return only once their bytes are fsynced (group commit: one fsync
+Requests are appended as framed records (magic, length, rows, CRC32, payload) to the open
+segment; the magic says what the payload is: an OTLP protobuf request body as received and
+checked (:data:`OTLP`, decoded in bulk at flush time) or an Arrow IPC batch (:data:`ARROW`); callers return only once their bytes are fsynced (group commit: one fsync
 covers every caller waiting at that moment). A segment is sealed by size or age and handed
 to the flusher, which deletes it only after the store has the batch. A crash loses nothing
 acknowledged: on start the open segment is cut back to its last complete record and sealed.
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _HEADER = struct.Struct("<4sIII")  # magic, payload length, rows, crc32(payload)
-_MAGIC = b"TTS1"
+ARROW = b"TTS1"  #: an Arrow IPC stream of spans in ``otel_traces`` layout
+OTLP = b"TTP1"  #: a checked OTLP/protobuf ``ExportTraceServiceRequest`` body
+_MAGICS = (ARROW, OTLP)
 
 
 class SpoolError(RuntimeError):
@@ -37,20 +40,20 @@ class Segment:
     bytes: int
 
 
-def _scan(path: Path) -> tuple[int, int, list[bytes] | None, bool]:
-    """(valid bytes, rows, payloads if wanted, torn tail?) of a segment file."""
+def _scan(path: Path) -> tuple[int, int, list[tuple[bytes, bytes]], bool]:
+    """(valid bytes, rows, (magic, payload) records, torn tail?) of a segment file."""
     data = path.read_bytes()
     pos = rows = 0
-    payloads: list[bytes] = []
+    payloads: list[tuple[bytes, bytes]] = []
     while pos + _HEADER.size <= len(data):
         magic, length, nrows, crc = _HEADER.unpack_from(data, pos)
         end = pos + _HEADER.size + length
-        if magic != _MAGIC or end > len(data):
+        if magic not in _MAGICS or end > len(data):
             break
         payload = data[pos + _HEADER.size : end]
         if zlib.crc32(payload) != crc:
             break
-        payloads.append(payload)
+        payloads.append((magic, payload))
         rows += nrows
         pos = end
     return pos, rows, payloads, pos != len(data)
@@ -143,10 +146,13 @@ class Spool:
                 self._sealed[seq] = Segment(seq, p, rows, valid)
 
     # ------------------------------------------------------------------ writes
-    def append(self, payload: bytes, rows: int) -> bool:
-        """Append one record; returns once it is durable (fsynced, unless disabled).
-        True when this record opened a new segment (the flusher's next deadline changed)."""
-        frame = _HEADER.pack(_MAGIC, len(payload), rows, zlib.crc32(payload)) + payload
+    def append(self, payload: bytes, rows: int, kind: bytes = ARROW) -> bool:
+        """Append one record of ``kind`` (:data:`ARROW` or :data:`OTLP`); returns once it is
+        durable (fsynced, unless disabled). True when this record opened a new segment (the
+        flusher's next deadline changed)."""
+        if kind not in _MAGICS:
+            raise ValueError(f"unknown spool record kind {kind!r}")
+        frame = _HEADER.pack(kind, len(payload), rows, zlib.crc32(payload)) + payload
         with self._lock:
             opened = self._fd is None
             if opened:
@@ -218,8 +224,13 @@ class Spool:
 
     @staticmethod
     def read(seg: Segment) -> list[bytes]:
-        _, _, payloads, _ = _scan(seg.path)
-        return payloads or []
+        """The payloads of a segment, in order."""
+        return [p for _, p in _scan(seg.path)[2]]
+
+    @staticmethod
+    def records(seg: Segment) -> list[tuple[bytes, bytes]]:
+        """The (kind, payload) records of a segment, in order."""
+        return _scan(seg.path)[2]
 
     def remove(self, seg: Segment) -> None:
         with self._lock:

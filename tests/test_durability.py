@@ -153,7 +153,9 @@ def test_full_spool_refuses_with_retry_after_and_keeps_serving_health(collector_
         time.sleep(0.1)
     assert col.metric("ttftscope_collector_store_up") == 0, "the outage is noticed before any write"
     statuses = []
-    for b in range(60):
+    for b in range(1000):  # until the spool is full (a few hundred raw protobuf bodies)
+        if statuses[-5:] == [503] * 5:
+            break
         r = requests.post(col.url + "/v1/traces", data=_batch(b, 20), headers=PB, timeout=10)
         statuses.append(r.status_code)
         if r.status_code != 200:
@@ -176,6 +178,9 @@ def test_concurrent_reads_while_writing(collector_factory):
     sender.start()
     counts = []
     try:
+        deadline = time.monotonic() + 30
+        while col.metric("ttftscope_collector_spans_written_total") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
         for _ in range(8):
             r = subprocess.run([PY, "-m", "ttftscope", "sql", "--store", col.store, "--format", "csv",
                                 "SELECT count(), uniqExact(SpanId) FROM otel_traces"],

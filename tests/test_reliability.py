@@ -307,7 +307,11 @@ def _threads(pid: int) -> int:
 
 def test_stalled_connections_are_cut_off_and_capped(collector_factory):
     col = collector_factory(extra=["--read-timeout", "1", "--max-connections", "20"]).start()
-    base = _threads(col.proc.pid)
+    seen, deadline = [], time.monotonic() + 20  # the chDB engine starts its threads at start-up
+    while (len(seen) < 5 or len(set(seen[-5:])) > 1) and time.monotonic() < deadline:
+        seen.append(_threads(col.proc.pid))
+        time.sleep(0.2)
+    base = seen[-1]
     socks = []
     for _ in range(60):  # a header, then silence
         s = socket.create_connection(("127.0.0.1", col.port))

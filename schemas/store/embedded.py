@@ -25,7 +25,6 @@ import fcntl
 import logging
 import os
 import re
-import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .. import engine
 from ..columns import ARROW_SCHEMA, clickhouse_structure
 from ..ddl import SCHEMA_VERSION, TRACE_ID_TS, TRACES
 from .base import Store, StoreError, StoreUnavailable
@@ -52,17 +52,8 @@ NS_PER_DAY = 86_400 * 10**9
 _BAD_PATH_CHARS = re.compile(r"[*?{}\[\]'\\,]")
 
 # chDB keeps one engine per process: every EmbeddedStore shares it, one database each.
-_ENGINE_LOCK = threading.RLock()
-_SESSION = None
-
-
-def _session():
-    global _SESSION
-    if _SESSION is None:
-        from chdb import session
-
-        _SESSION = session.Session()
-    return _SESSION
+_ENGINE_LOCK = engine.LOCK
+_session = engine.session
 
 
 def _fsync_dir(path: Path) -> None:
@@ -686,9 +677,9 @@ class EmbeddedStore(Store):
 
     def close(self) -> None:
         with _ENGINE_LOCK:
-            if _SESSION is not None and self._view_key is not None:
+            if engine.started() is not None and self._view_key is not None:
                 try:
-                    _SESSION.query(f"DROP DATABASE IF EXISTS {self._db}")
+                    engine.started().query(f"DROP DATABASE IF EXISTS {self._db}")
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
             self._view_key = None
