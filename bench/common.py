@@ -56,3 +56,10 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -13,6 +13,7 @@ import base64
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import orjson
 import pyarrow as pa
@@ -508,10 +509,14 @@ def _clip_span(sp, path: str, lim: Limits, report: DecodeReport) -> tuple[str | 
     return None, changed
 
 
-def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | None = None) -> tuple[bytes, DecodeReport]:
-    """Check a binary ``ExportTraceServiceRequest`` the way :func:`decode_protobuf` does and
-    return the body to store (the same bytes unless a span was rejected or clipped) and the
-    report for the response. What the store keeps is decoded later, in bulk, by chDB
+class Accepted(NamedTuple):
+    body: bytes  #: what to store: the bytes received unless a span was rejected or clipped
+    report: DecodeReport  #: what the response tells the client
+    events_links: bool  #: some stored span has events or links (the decoder must read them)
+
+
+def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | None = None) -> Accepted:
+    """Check a binary ``ExportTraceServiceRequest`` the way :func:`decode_protobuf` does. What the store keeps is decoded later, in bulk, by chDB
     (``otlp_sql``); this pass reads a few fields per span and nothing per attribute, except
     for spans that may exceed a limit (big ones, many attributes, events or links)."""
     req = trace_service_pb2.ExportTraceServiceRequest()
@@ -528,7 +533,7 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
     # values); smaller spans cannot reach any length limit
     small = min(lim.max_value_bytes, lim.max_name_bytes) // 4
     may_be_long = len(body) > small
-    changed = False
+    changed = events_links = False
     accepted = 0
     for i, rs in enumerate(req.resource_spans):
         changed |= _clip_kvs(rs.resource.attributes, lim, report)
@@ -540,6 +545,7 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
                                     or (may_be_long and sp.ByteSize() > small)):
                     why, ch = _clip_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lim, report)
                     changed |= ch
+                    events_links |= why is None and bool(sp.events or sp.links)
                 if why is not None:
                     report.reject(why)
                     drop.append(k)
@@ -549,7 +555,7 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
                 del ss.spans[k]
             changed |= bool(drop)
     report.accepted = accepted
-    return (req.SerializeToString() if changed else body), report
+    return Accepted(req.SerializeToString() if changed else body, report, events_links)
 
 
 # ----------------------------------------------------------------------------- JSON

@@ -19,7 +19,7 @@ from ttftscope.schemas.store import Store
 
 from .metrics import CollectorMetrics
 from .otlp_sql import decode_bodies, warm_up
-from .spool import ARROW, OTLP, Segment, Spool
+from .spool import ARROW, OTLP, OTLP_EVENTS_LINKS, Segment, Spool
 
 log = logging.getLogger("ttftscope.collector")
 
@@ -82,11 +82,11 @@ class Pipeline:
         """Make ``table`` durable in the spool, or raise :class:`Backpressure`."""
         self._append(to_ipc(table), table.num_rows, ARROW)
 
-    def submit_otlp(self, body: bytes, rows: int) -> None:
+    def submit_otlp(self, body: bytes, rows: int, events_links: bool = True) -> None:
         """Make a checked OTLP protobuf body (``otlp.accept_protobuf``) of ``rows`` spans
         durable in the spool, or raise :class:`Backpressure`. It is decoded at flush time,
         with every other body of its segment, in one chDB query."""
-        self._append(body, rows, OTLP)
+        self._append(body, rows, OTLP_EVENTS_LINKS if events_links else OTLP)
 
     def _append(self, payload: bytes, rows: int, kind: bytes) -> None:
         if self.spool.pending_bytes >= self.max_spool_bytes:
@@ -119,9 +119,10 @@ class Pipeline:
         arrow = [p for k, p in records if k == ARROW]
         if arrow:
             tables.append(from_ipc(arrow))
-        otlp = [p for k, p in records if k == OTLP]
-        if otlp:
-            tables.append(decode_bodies(otlp, scratch_dir=self.spool.dir))
+        for kind, events_links in ((OTLP, False), (OTLP_EVENTS_LINKS, True)):
+            bodies = [p for k, p in records if k == kind]
+            if bodies:
+                tables.append(decode_bodies(bodies, scratch_dir=self.spool.dir, events_links=events_links))
         return pa.concat_tables(tables) if tables else None
 
     def _observe(self, seg: Segment, table: pa.Table | None) -> None:

@@ -286,9 +286,10 @@ class _Handler(BaseHTTPRequestHandler):
         m = self.server.metrics
         limits = self.server.config.limits
         table = None
+        events_links = True
         try:
             if kind == "protobuf":  # stored as received (checked, clipped); decoded in bulk later
-                body, report = accept_protobuf(body, limits)
+                body, report, events_links = accept_protobuf(body, limits)
             else:
                 table, report = decode(body, kind, limits)
         except DecodeError as e:
@@ -304,7 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
         if report.accepted:
             try:
                 if table is None:
-                    self.server.pipeline.submit_otlp(body, report.accepted)
+                    self.server.pipeline.submit_otlp(body, report.accepted, events_links)
                 else:
                     self.server.pipeline.submit(table)
             except Backpressure as e:

@@ -37,7 +37,7 @@ class Collector:
         spool_dir: str | os.PathLike | None = None,
         fsync: bool = True,
         max_spool_bytes: int = 1 << 30,
-        segment_age_s: float = 0.5,
+        segment_age_s: float = 2.0,
         retention_days: float | None = None,
     ) -> None:
         self.config = config or ServerConfig()

@@ -25,7 +25,8 @@ from pathlib import Path
 _HEADER = struct.Struct("<4sIII")  # magic, payload length, rows, crc32(payload)
 ARROW = b"TTS1"  #: an Arrow IPC stream of spans in ``otel_traces`` layout
 OTLP = b"TTP1"  #: a checked OTLP/protobuf ``ExportTraceServiceRequest`` body
-_MAGICS = (ARROW, OTLP)
+OTLP_EVENTS_LINKS = b"TTP2"  #: the same, with span events or links
+_MAGICS = (ARROW, OTLP, OTLP_EVENTS_LINKS)
 
 
 class SpoolError(RuntimeError):
@@ -147,7 +148,7 @@ class Spool:
 
     # ------------------------------------------------------------------ writes
     def append(self, payload: bytes, rows: int, kind: bytes = ARROW) -> bool:
-        """Append one record of ``kind`` (:data:`ARROW` or :data:`OTLP`); returns once it is
+        """Append one record of ``kind`` (:data:`ARROW`, :data:`OTLP`, :data:`OTLP_EVENTS_LINKS`); returns once it is
         durable (fsynced, unless disabled). True when this record opened a new segment (the
         flusher's next deadline changed)."""
         if kind not in _MAGICS:

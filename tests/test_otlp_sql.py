@@ -150,10 +150,10 @@ def _sorted(t: pa.Table) -> pa.Table:
 def test_chdb_decoder_stores_what_the_python_decoder_stores(name):
     body = CASES[name]
     ref, ref_report = decode(body, "protobuf", Limits(), )
-    clean, report = accept_protobuf(body, Limits())
+    clean, report, events_links = accept_protobuf(body, Limits())
     assert (report.accepted, report.rejected, report.reasons, report.warnings) == (
         ref_report.accepted, ref_report.rejected, ref_report.reasons, ref_report.warnings)
-    got = decode_bodies([clean])
+    got = decode_bodies([clean], events_links=events_links)
     assert got.schema == ref.schema
     assert got.num_rows == ref.num_rows == report.accepted
     ref, got = _sorted(ref), _sorted(got)
@@ -162,7 +162,7 @@ def test_chdb_decoder_stores_what_the_python_decoder_stores(name):
 
 
 def test_many_bodies_in_one_query_keep_each_requests_resource():
-    bodies = [accept_protobuf(b)[0] for b in CASES.values()]
+    bodies = [accept_protobuf(b).body for b in CASES.values()]
     got = decode_bodies(bodies)
     ref = pa.concat_tables([decode(b, "protobuf")[0] for b in CASES.values()])
     def pairs(t: pa.Table) -> list[tuple[str, str]]:
@@ -180,7 +180,7 @@ def test_doubles_are_spelled_as_go_does():
     for i, d in enumerate(ds):  # 200 per span: under the 256-attribute cap
         kv = spans[i // 200].attributes.add()
         kv.key, kv.value.double_value = f"d{i}", d
-    got = decode_bodies([accept_protobuf(req.SerializeToString())[0]])
+    got = decode_bodies([accept_protobuf(req.SerializeToString()).body], events_links=False)
     attrs = {k: v for m in got.column("SpanAttributes").to_pylist() for k, v in m}
     for i, d in enumerate(ds):
         assert attrs[f"d{i}"] == format_double(d), d
@@ -189,4 +189,4 @@ def test_doubles_are_spelled_as_go_does():
 
 def test_unchanged_body_is_stored_as_received():
     body = CASES["plain"]
-    assert accept_protobuf(body)[0] is body
+    assert accept_protobuf(body).body is body

@@ -92,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-spool", type=_size, default=1 << 30, metavar="SIZE",
                    help="refuse new spans (429/503) beyond this much spooled data (default 1G)")
     c.add_argument("--max-body", type=_size, default=16 << 20, metavar="SIZE", help="largest request (default 16M)")
-    c.add_argument("--flush-interval", type=float, default=0.5, metavar="S", help="batch age before writing")
+    c.add_argument("--flush-interval", type=float, default=2.0, metavar="S",
+                   help="the longest an acknowledged batch waits before it is written to the store "
+                        "(default 2 s; each write is one decoding query and one part, so rarer, bigger "
+                        "writes cost less per span)")
     c.add_argument("--retention-days", type=float, default=None, help="drop spans older than this")
     c.add_argument("--no-fsync", action="store_true", help="acknowledge before fsync (faster; a host crash may lose spans)")
     c.add_argument("--max-memory", type=_size, default=1 << 30, metavar="SIZE",

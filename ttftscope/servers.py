@@ -112,7 +112,7 @@ class Child:
 def collector(store: str, workdir: Path, port: int | None = None) -> tuple[Child, str]:
     port = port or free_port()
     c = Child([sys.executable, "-m", "ttftscope", "collect", "--store", store, "--spool", str(workdir / f"spool-{port}"),
-               "--listen", f"127.0.0.1:{port}", "--flush-interval", "0.3"], workdir / "collector.log").start()
+               "--listen", f"127.0.0.1:{port}"], workdir / "collector.log").start()
     url = f"http://127.0.0.1:{port}"
     c.wait_http(url + "/healthz", 60, "the collector")
     return c, url
