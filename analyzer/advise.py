@@ -36,7 +36,11 @@ _ADVICE = {
                   "TTFT flat under load"),
     "regression": ("A phase regressed between versions: bisect the version change or roll back.",
                    "phase back to the previous version's median"),
-    "tokenize_dominates": ("Tokenization dominates the tail: see tokenizer advice.", "shorter tokenize phase"),
+    "tokenize_dominates": ("Tokenization (chat template + tokenizer, in the API server's tokenizer thread pool) "
+                           "dominates: use the fast (Rust) tokenizer (`--tokenizer-mode auto`, not `slow`), give "
+                           "rendering more threads (`--renderer-num-workers`) or API-server processes "
+                           "(`--api-server-count`), or send token ids instead of text from a client that already "
+                           "has them.", "tokenize back to its healthy baseline"),
     "deliver_dominates": ("Delivery after the first token dominates: the API server's event loop is busy "
                           "(detokenization, serialisation, heavy middleware, many streams per process). Add API-server "
                           "processes (`--api-server-count`), move heavy middleware off the event loop.",

@@ -3,8 +3,8 @@
 For a finding whose cause is time inside requests (a phase, a class of gap, the first
 requests after a start), the counterfactual is computed in polars over the per-request
 decomposition: each request's TTFT with the cause's time removed (or replaced by its healthy
-baseline: the phase's 10th percentile, or for receive/intake/deliver a fixed floor when
-lower), then ``impact_ms[q] = p_q(TTFT) - p_q(TTFT without
+baseline: the phase's 10th percentile, or for receive/intake/deliver a fixed floor and for
+tokenize a floor per prompt token, when lower), then ``impact_ms[q] = p_q(TTFT) - p_q(TTFT without
 the cause)`` for p50, p95 and p99, with the requests it touches.
 
 Severity then comes from that impact against the SLO, at the percentile the SLO is tightest
@@ -34,15 +34,27 @@ _ORDER = {"high": 0, "medium": 1, "low": 2}
 #: event-loop turn. A fault that hits every request alike (a stalled event loop) lifts the
 #: window's own 10th percentile too; against this floor its whole size still counts.
 HEALTHY_NS = {"receive": 1_000_000, "intake": 1_000_000, "deliver": 2_000_000}
+#: tokenization on a healthy server: a thread-pool hop and the chat template, plus what a fast
+#: (Rust) tokenizer takes per prompt token (about a million tokens a second)
+TOKENIZE_FLOOR_NS, TOKENIZE_NS_PER_TOKEN = 1_000_000, 2_000
+
+
+def _floor(col: str) -> pl.Expr | None:
+    if col in HEALTHY_NS:
+        return pl.lit(HEALTHY_NS[col])
+    if col == "tokenize":
+        return pl.lit(TOKENIZE_FLOOR_NS) + pl.col("prompt_tokens").cast(pl.Int64).fill_null(0) * TOKENIZE_NS_PER_TOKEN
+    return None
 
 
 def _excess(col: str, expr: pl.Expr | None = None) -> pl.Expr:
     """Time above the phase's healthy baseline: its 10th percentile over the window, or the
-    healthy floor (``HEALTHY_NS``) when that is lower."""
+    healthy floor when that is lower (``HEALTHY_NS``; for tokenize, per prompt token)."""
     e = pl.col(col) if expr is None else expr
     base = e.quantile(0.1, "lower")
-    if col in HEALTHY_NS:
-        base = pl.min_horizontal(base, pl.lit(HEALTHY_NS[col]))
+    floor = _floor(col)
+    if floor is not None:
+        base = pl.min_horizontal(base, floor)
     return (e - base).clip(lower_bound=0)
 
 

@@ -136,6 +136,17 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - metrics must never stop spans reaching the store
             log.exception("phase metrics failed for a batch")
 
+    def _observe_unwritten(self) -> None:
+        """While the store is down: the phase metrics still count what arrives (alerts on
+        TTFT must not go blind with the store), segment by segment as they fall due."""
+        try:
+            self.spool.seal(only_if_due=True)
+            for seg in self.spool.sealed():
+                if seg.seq not in self._observed:
+                    self._observe(seg, self._decode(seg))
+        except Exception:  # noqa: BLE001 - best effort; the segments stay spooled either way
+            log.exception("phase metrics for spooled spans failed")
+
     def _write(self, seg: Segment) -> None:
         table = self._decode(seg)
         self._observe(seg, table)
@@ -194,6 +205,7 @@ class Pipeline:
                 self.metrics.store_errors.inc()
                 log.warning("store write failed (%s); spans stay spooled, retry in %.1fs", self.last_error, delay)
                 self.store = None  # reconnect next time
+                self._observe_unwritten()
                 self._stop.wait(delay)
                 delay = min(delay * 2, self.retry_max_s)
 

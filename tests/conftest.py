@@ -64,7 +64,13 @@ class CollectorProc:
         """Until no span has arrived for ``quiet_s`` (exporters drained), not a fixed sleep."""
         from ttftscope.servers import wait_spans_settled
 
-        return wait_spans_settled(self.url, quiet_s, timeout)
+        n = wait_spans_settled(self.url, quiet_s, timeout)
+        # and written: the collector's phase metrics count a batch when it is decoded for the store
+        deadline = time.monotonic() + timeout
+        while (self.metric("ttftscope_collector_spans_written_total") < self.metric("ttftscope_collector_spans_accepted_total")
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        return n
 
     def terminate(self, timeout: float = 60) -> int:
         assert self.proc is not None

@@ -152,6 +152,11 @@ def test_phase_metrics_on_the_collector_match_the_spans_sent(collector_factory):
             doc = {"resourceSpans": [{"resource": {"attributes": [{"key": k, "value": {"stringValue": v}} for k, v in key]},
                                       "scopeSpans": [{"spans": spans[i:i + 2000]}]}]}
             assert requests.post(col.url + "/v1/traces", json=doc, timeout=30).status_code == 200
+    # the phase metrics count a batch when it is decoded for the store (within --flush-interval)
+    deadline = time.monotonic() + 30
+    while (col.metric("ttftscope_collector_spans_written_total") < col.metric("ttftscope_collector_spans_accepted_total")
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
     text = requests.get(col.url + "/metrics", timeout=10).text
     names = t.column("SpanName")
 

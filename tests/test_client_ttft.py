@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slow  # real vLLM servers
 
 PLANTED = Path(__file__).with_name("planted")
 STALL_MS = 25.0
+TOKENIZE_US_PER_TOKEN = 400.0  # a slow tokenizer: ~25 ms on the driven prompts
 SHARED = prompt_of(300, 999)
 
 
@@ -142,6 +143,12 @@ def stalled(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def slowtok(tmp_path_factory):
+    return _served(tmp_path_factory.mktemp("slowtok"), "slowtok",
+                   env={"PYTHONPATH": str(PLANTED), "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN)})
+
+
+@pytest.fixture(scope="module")
 def nocache(tmp_path_factory):
     """The clean load with a shared 300-token prefix on every other prompt, prefix caching off
     (vLLM's default is on; with it on, tests/test_vllm_plugin.py checks the hits and the silence)."""
@@ -224,6 +231,23 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(clean, stalled):
     top = report["findings"][0]
     assert top["kind"] == "deliver_dominates", [(f["kind"], f.get("impact_ms")) for f in report["findings"]]
     assert abs(top["impact_ms"]["p50"] - grew) <= 0.15 * grew, (top["impact_ms"], grew)
+
+
+def test_a_slow_tokenizer_is_named_with_its_size(clean, slowtok):
+    """The tokenizer made slower per prompt token: tokenize grows by what the client lost, the
+    top finding names it, and its impact at p50 is that loss (issue 12: within 15%)."""
+    base, _ = clean
+    df, store = slowtok
+    grew = _ms(df, "client_ms") - _ms(base, "client_ms")
+    tokenize_grew = _ms(df, "tokenize") - _ms(base, "tokenize")
+    assert grew >= 10, "the planted slowness reached the client"
+    assert abs(tokenize_grew - grew) <= 0.25 * grew, (tokenize_grew, grew)
+    assert _ms(df, "deliver") < 0.5 * _ms(df, "tokenize"), "not blamed on delivery"
+    report = _analyze(store, "slowtok")
+    top = report["findings"][0]
+    assert top["kind"] == "tokenize_dominates", [(f["kind"], f.get("impact_ms")) for f in report["findings"]]
+    assert abs(top["impact_ms"]["p50"] - grew) <= 0.15 * grew, (top["impact_ms"], grew)
+    assert top["advice"], "a user can act on it"
 
 
 def test_with_the_prefix_cache_off_the_misses_are_reported(nocache):

@@ -10,6 +10,8 @@ by environment variables, read in the process where the cause belongs:
 * ``PLANTED_EXECUTE_MS``: every worker step takes this much longer (model time).
 * ``PLANTED_UPDATE_MS``: the engine core spends this much longer in ``update_from_output``
   (engine host overhead per step).
+* ``PLANTED_TOKENIZE_US_PER_TOKEN``: the API server's tokenizer takes this much longer per
+  prompt token (in vLLM's tokenizer thread pool, where a slow tokenizer would spend it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ def _slow(cls, name: str, ms: float) -> None:
     setattr(cls, name, slowed)
 
 
+def _slow_tokenizer(us_per_token: float) -> None:
+    from vllm.renderers.base import BaseRenderer
+
+    orig = BaseRenderer._tokenize_prompt
+    if getattr(orig, "_planted", False):
+        return
+
+    @functools.wraps(orig)
+    def tokenize(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        time.sleep(us_per_token * len(out["prompt_token_ids"]) / 1e6)
+        return out
+
+    tokenize._planted = True
+    BaseRenderer._tokenize_prompt = tokenize  # bound per renderer at its __init__: patch before
+
+
 def register() -> None:
     execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
     update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
@@ -46,8 +65,13 @@ def register() -> None:
         from vllm.v1.core.sched import scheduler
 
         _slow(scheduler.Scheduler, "update_from_output", update)  # only the engine core calls it
+    if "api_server" not in " ".join(sys.argv):
+        return
+    per_token = float(os.environ.get("PLANTED_TOKENIZE_US_PER_TOKEN", "0") or 0)
+    if per_token > 0:
+        _slow_tokenizer(per_token)
     ms = float(os.environ.get("PLANTED_DELIVER_STALL_MS", "0") or 0)
-    if ms <= 0 or "api_server" not in " ".join(sys.argv):
+    if ms <= 0:
         return
     from vllm.v1.engine import output_processor as op
 
