@@ -12,8 +12,7 @@ from pathlib import Path
 
 import yaml
 from ttftscope.schemas import metrics as M
-
-from .slo_file import QUANTILES, SLO
+from ttftscope.schemas.slo import QUANTILES, SLO
 
 
 @dataclass

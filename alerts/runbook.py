@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .slo_file import SLO
+from ttftscope.schemas.slo import SLO
 
 _LABEL = re.compile(r"\{\{\s*\$labels\.(\w+)\s*\}\}")
 

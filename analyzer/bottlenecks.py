@@ -37,7 +37,7 @@ def phase_dominance(ctx: Context) -> list[Finding]:
         return []
     p95 = float(df["ttft"].quantile(0.95, "linear")) / 1e6
     p99 = float(df["ttft"].quantile(0.99, "linear")) / 1e6
-    slo_broken = p99 > slo.ttft_ms.get("p99", 1e18) or p95 > slo.ttft_ms.get("p95", 1e18)
+    slo_broken = p99 > slo.ttft_targets_ms.get("p99", 1e18) or p95 > slo.ttft_targets_ms.get("p95", 1e18)
     out = []
     names = {"queue": "queue wait", "tokenize": "tokenization", "deliver": "delivery after the first token (API server)",
              "receive": "receiving and parsing requests (API server)",
@@ -159,7 +159,7 @@ def cold_start_findings(ctx: Context) -> list[Finding]:
             out.append(f)
         if c["over_target"]:
             out.append(_finding("cold_start_slow", "high", c["cold_start_s"], "s", 0.5,
-                                f"{c['instance']}: cold start {c['cold_start_s']:.0f} s exceeds the {slo.cold_start_s:.0f} s target",
+                                f"{c['instance']}: cold start {c['cold_start_s']:.0f} s exceeds the {slo.cold_start_max_s:.0f} s target",
                                 instance=c["instance"], trace_ids=[c["trace_id"]], phases_s=c["phases_s"]))
     # one finding per kind: the worst process
     best: dict[str, dict] = {}
@@ -262,7 +262,7 @@ def load_correlation(ctx: Context, bin_s: float = 10.0) -> list[Finding]:
         return []
     r = float(np.corrcoef(g["n"].to_numpy(), g["q"].to_numpy())[0, 1])
     p99 = float(df["ttft"].quantile(0.99, "linear")) / 1e6
-    broken = p99 > slo.ttft_ms.get("p99", 1e18)
+    broken = p99 > slo.ttft_targets_ms.get("p99", 1e18)
     sev = "medium" if r >= 0.8 and broken else "low" if r >= 0.8 else None
     return [f] if (f := _finding("scale_out", sev, r, "correlation", r * 0.5,
                                  f"TTFT tracks load (r={r:.2f} between arrivals and p90 TTFT per {bin_s:.0f} s): scale out",

@@ -100,7 +100,7 @@ def impact_ms(df: pl.DataFrame, removed: pl.Expr) -> tuple[dict[str, float], int
 def tightest(df: pl.DataFrame, slo: SLO) -> tuple[str, float, float]:
     """(quantile, target ms, measured ms) where measured/target is largest."""
     best = None
-    for q, target in slo.ttft_ms.items():
+    for q, target in slo.ttft_targets_ms.items():
         measured = float(df["ttft"].quantile(_Q[q], "linear")) / 1e6
         if best is None or measured / target > best[2] / best[1]:
             best = (q, target, measured)

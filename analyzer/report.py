@@ -67,7 +67,7 @@ def analyze(store, window: Window, slo: SLO | None = None,
     prog(3, total, "gaps: request gaps, engine bubbles, cold start")
     bubbles = engine_bubbles(store, window)
     report["gaps"] = {"request": request_gaps(df), "engine": bubbles}
-    cold = cold_start(store, window, slo.cold_start_s)
+    cold = cold_start(store, window, slo.cold_start_max_s)
     report["cold_start"] = cold
     from .steps import step_anatomy
 

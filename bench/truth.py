@@ -6,11 +6,13 @@ test-only vLLM plugin in tests/planted, or a flag:
 
   clean    no fault: the control; nothing may be reported above low
   stall    the API server's event loop blocked 25 ms after every output batch (deliver_dominates)
+  slowtok  the tokenizer 1 ms slower per prompt token (tokenize_dominates)
   nocache  --no-enable-prefix-caching under shared-prefix traffic (prefix_cache_misses)
 
 and reports, over all trials: top-1 accuracy (the first finding is the planted cause), the
-impact error (|impact_ms.p50 - measured effect| / measured effect, where the measured effect
-is the client's own TTFT p50 with the fault minus the clean run's, in the same trial; for
+impact error (|impact p50 - measured effect| / measured effect, where the measured effect
+is the client's own TTFT p50 with the fault minus the clean run's, in the same trial, and the
+impact is the finding's counterfactual computed over those same client-timed requests; for
 nocache the load also differs by its shared prefix, so only top-1 counts there), and
 how often the control stayed quiet.
 
@@ -28,11 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_client_ttft import PLANTED, STALL_MS, _analyze, _drive, _served  # noqa: E402
+from test_client_ttft import PLANTED, STALL_MS, TOKENIZE_US_PER_TOKEN, _analyze, _drive, _served  # noqa: E402
+from ttftscope.analyzer.impact import REMOVED, impact_ms  # noqa: E402
 
 SCENARIOS = {  # name -> (server env, extra vLLM flags, shared-prefix traffic, the finding that names the cause)
     "stall": ({"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)}, None, False,
               "deliver_dominates"),
+    "slowtok": ({"PYTHONPATH": str(PLANTED), "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN)}, None, False,
+                "tokenize_dominates"),
     "nocache": ({}, ["--no-enable-prefix-caching"], True, "prefix_cache_misses"),
 }
 
@@ -51,9 +56,10 @@ def trial(tmp: Path) -> dict:
         effect = float(df["client_ms"].median()) - base_p50
         top = rep["findings"][0] if rep["findings"] else None
         mine = next((f for f in rep["findings"] if f["kind"] == want), None)
-        imp = (mine or {}).get("impact_ms") or {}
+        imp = impact_ms(df, REMOVED[want](mine))[0] if mine and want in REMOVED else {}
         out[name] = {"top1": bool(top and top["kind"] == want), "found": mine is not None,
                      "effect_ms": effect, "impact_p50_ms": imp.get("p50"),
+                     "report_impact_p50_ms": ((mine or {}).get("impact_ms") or {}).get("p50"),
                      "impact_error": abs(imp["p50"] - effect) / effect if imp and effect > 1.0 else None,
                      "findings": [(f["severity"], f["kind"]) for f in rep["findings"][:4]]}
     return out

@@ -21,6 +21,7 @@ from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as dm
 from ttftscope.schemas import metrics as M
+from ttftscope.schemas.slo import DEFAULT_TARGETS_MS
 from ttftscope.schemas.vocabulary import PHASES, Attr, ResourceAttr, SpanName, phase_sql
 
 CH_TYPE = "grafana-clickhouse-datasource"
@@ -69,7 +70,7 @@ def _encode(d: db.Dashboard) -> dict:
 
 
 def overview(targets_ms: dict[str, float] | None = None) -> dict:
-    t = targets_ms or {"p50": 350.0, "p95": 600.0, "p99": 800.0}
+    t = targets_ms or dict(DEFAULT_TARGETS_MS)
     sel = 'model_name=~"$model_name", instance=~"$instance"'
     # the client's TTFT (the collector's histogram of ttftscope.http spans), vLLM's own dashed
     ttft = timeseries.Panel().title("TTFT p50 / p95 / p99 as clients see it (SLO lines)").unit("s").height(9).span(16) \

@@ -14,9 +14,9 @@ import pytest
 import requests
 import yaml
 from conftest import PY, ROOT, CollectorProc, VllmServer, free_port
-from ttftscope.alerts.slo_file import SLOFileError, load_slo
 from ttftscope.analyzer import synth
 from ttftscope.dashboards.grafana import expand_clickhouse_macros, panel_queries
+from ttftscope.schemas.slo import SLOFileError, load_slo
 from ttftscope.schemas.store import open_store
 
 from ttftscope.tinymodel import prompt_of
@@ -316,3 +316,29 @@ alerts:
         srv.stop()
         col.terminate()
         hook.shutdown()
+
+
+def test_every_slo_flag_takes_a_file_or_targets_with_one_meaning(tmp_path):
+    """One SLO model: the file's TTFT targets are what `analyze` judges a window by, the same
+    as the same targets given inline, and a bad value is one clear error either way."""
+    from ttftscope.schemas.slo import SLO
+
+    f, f2 = tmp_path / "slo.yaml", tmp_path / "slo-queue.yml"
+    f.write_text("version: 1\nttft:\n  targets_ms: {p50: 5, p99: 40}\n")
+    f2.write_text(f.read_text() + "queue_wait: {priority_p99_ms: 7}\n")
+    from_file, inline = SLO.from_arg(str(f)), SLO.from_arg("p50=5,p99=40")
+    assert from_file.ttft_targets_ms == inline.ttft_targets_ms == {"p50": 5.0, "p95": 600.0, "p99": 40.0}
+    assert SLO.from_arg(str(f2)).queue_priority_p99_ms == 7 and inline.queue_priority_p99_ms == SLO().queue_priority_p99_ms
+    store = str(tmp_path / "store")
+    subprocess.run([PY, "-m", "ttftscope", "synth", "--store", store, "--scenario", "baseline", "--requests", "200",
+                    "--seed", "2"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    outs = []
+    for arg in (str(f), "p50=5,p99=40"):
+        r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "30d", "--json", "--quiet",
+                            "--slo", arg], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        outs.append((r.returncode, json.loads(r.stdout)["slo"]))
+    assert outs[0] == outs[1] and outs[0][0] == 1, outs  # synthetic TTFT is far above 5 ms at p50: violated
+    for bad in ("p42=3", str(tmp_path / "missing.yaml")):
+        r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--slo", bad], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip(), r.stderr

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     an = sub.add_parser("analyze", help="where TTFT goes in a window: decomposition, gaps, findings, advice")
     _store_arg(an)
     _window_args(an)
-    an.add_argument("--slo", default=None, metavar="p50=350,p95=600,p99=800", help="TTFT targets in ms")
+    an.add_argument("--slo", default=None, metavar="FILE|p50=..,p99=..", help="the SLO: a YAML file (every key: alerts/slo.example.yaml) or TTFT targets in ms, p50=350,p95=600,p99=800 (default)")
     g = an.add_mutually_exclusive_group()
     g.add_argument("--json", action="store_true", help="the report as JSON (schema ttftscope.report/1)")
     g.add_argument("--markdown", action="store_true", help="the report as Markdown")
@@ -162,14 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     al = sub.add_parser("alerts", help="Prometheus rules, promtool tests and Alertmanager config from an SLO file")
     al_sub = al.add_subparsers(dest="alerts_cmd", required=True)
     ag = al_sub.add_parser("generate")
-    ag.add_argument("--slo", default=None, help="SLO YAML (default: built-in defaults; see alerts/slo.example.yaml)")
+    ag.add_argument("--slo", default=None, metavar="FILE|p50=..,p99=..", help="the SLO: a YAML file (every key: alerts/slo.example.yaml) or TTFT targets in ms, p50=350,p95=600,p99=800 (default)")
     ag.add_argument("--out", required=True, help="output directory")
 
     gr = sub.add_parser("grafana", help="Grafana dashboards and provisioning")
     gr_sub = gr.add_subparsers(dest="grafana_cmd", required=True)
     gg = gr_sub.add_parser("generate")
     gg.add_argument("--out", required=True)
-    gg.add_argument("--slo", default=None, help="take the TTFT SLO lines from this SLO file")
+    gg.add_argument("--slo", default=None, metavar="FILE|p50=..,p99=..", help="the SLO: a YAML file (every key: alerts/slo.example.yaml) or TTFT targets in ms, p50=350,p95=600,p99=800 (default)")
     gg.add_argument("--prometheus-url", default="http://localhost:9090")
     gg.add_argument("--clickhouse", default="localhost:8123/default", metavar="HOST:PORT/DB")
 
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--server", required=True, help="base URL of the vLLM OpenAI server")
     rn.add_argument("--model", default=None, help="model name (default: the server's first model)")
     rn.add_argument("--profile", default=None, help="YAML/JSON load profile (rate, burstiness, lengths, duration_s, ...)")
-    rn.add_argument("--slo", default=None, metavar="p50=350,p95=600,p99=800")
+    rn.add_argument("--slo", default=None, metavar="FILE|p50=..,p99=..", help="the SLO: a YAML file (every key: alerts/slo.example.yaml) or TTFT targets in ms, p50=350,p95=600,p99=800 (default)")
     rn.add_argument("--json", action="store_true")
 
     sw = sub.add_parser("sweep", help="restart vLLM over a grid of engine settings, same profile each, recommend one")
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--profile", default=None)
     sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                     help="max_num_seqs, max_num_batched_tokens, chunked_prefill, prefix_caching, gpu_memory_utilization")
-    sw.add_argument("--slo", default=None)
+    sw.add_argument("--slo", default=None, metavar="FILE|p50=..,p99=..", help="the SLO: a YAML file (every key: alerts/slo.example.yaml) or TTFT targets in ms, p50=350,p95=600,p99=800 (default)")
     sw.add_argument("--workdir", default=None)
 
     sc = sub.add_parser("schema", help="print the DDL or the vocabulary")
@@ -362,7 +362,7 @@ def cmd_analyze(a) -> int:
     from ttftscope.schemas.store import StoreError
 
     try:
-        w, slo = _window(a), SLO.parse(a.slo)
+        w, slo = _window(a), SLO.from_arg(a.slo)
     except ValueError as e:
         print(f"ttftscope analyze: {e}", file=sys.stderr)
         return 2
@@ -482,14 +482,12 @@ def cmd_synth(a) -> int:
     return 0
 
 
-def _load_slo_or_fail(path, cmd: str):
-    from ttftscope.alerts.slo_file import SLO, SLOFileError, load_slo
+def _load_slo_or_fail(value, cmd: str):
+    from ttftscope.schemas.slo import SLO
 
-    if not path:
-        return SLO()
     try:
-        return load_slo(path)
-    except SLOFileError as e:
+        return SLO.from_arg(value)
+    except ValueError as e:  # SLOFileError too
         print(f"ttftscope {cmd}: {e}", file=sys.stderr)
         return None
 

@@ -86,7 +86,7 @@ def run_command(a) -> int:
 
     try:
         profile = load_profile(a.profile) if a.profile else Profile("steady", num_prompts=60, request_rate=10)
-        slo = SLO.parse(a.slo)
+        slo = SLO.from_arg(a.slo)
     except ValueError as e:
         print(f"ttftscope run: {e}", file=sys.stderr)
         return 2
@@ -146,7 +146,7 @@ def sweep_command(a) -> int:
     try:
         combos = parse_grid(a.grid)
         profile = load_profile(a.profile) if a.profile else Profile("steady", num_prompts=40, request_rate=10)
-        slo = SLO.parse(a.slo)
+        slo = SLO.from_arg(a.slo)
     except ValueError as e:
         print(f"ttftscope sweep: {e}", file=sys.stderr)
         return 2

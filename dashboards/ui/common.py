@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import streamlit as st
 from ttftscope.analyzer import Analyzer, Window
-from ttftscope.analyzer.slo import SLO
 from ttftscope.dashboards.ui.refresh import StaleWhileRevalidate
+from ttftscope.schemas.slo import SLO, default_spec
 from ttftscope.schemas.store import StoreError, default_store_url, open_store
 from ttftscope.schemas.vocabulary import PHASES
 
@@ -148,7 +148,7 @@ def sidebar_window(key: str = "win") -> UIWindow:
         w = Window(now - seconds * 10**9, now + 10**9)
     model = st.sidebar.text_input("Model (exact)", key=f"{key}_model").strip() or None
     version = st.sidebar.text_input("Version (service.version)", key=f"{key}_version").strip() or None
-    slo = st.sidebar.text_input("TTFT SLO (ms)", value="p50=350,p95=600,p99=800", key=f"{key}_slo")
+    slo = st.sidebar.text_input("TTFT SLO (ms)", value=default_spec(), key=f"{key}_slo")
     SLO.parse(slo)  # ValueError -> message
     st.session_state["slo_spec"] = slo
     _ = a

@@ -9,9 +9,9 @@ from pathlib import Path
 import requests
 import streamlit as st
 from ttftscope.alerts.rules import generate as gen_rules
-from ttftscope.alerts.slo_file import SLOFileError, load_slo
 from ttftscope.dashboards.grafana import generate as gen_grafana
 from ttftscope.dashboards.ui.common import table
+from ttftscope.schemas.slo import SLOFileError, load_slo
 
 st.title("Alerts")
 example = Path(__file__).resolve().parents[3] / "alerts" / "slo.example.yaml"

@@ -6,7 +6,7 @@ import os
 
 import streamlit as st
 from ttftscope.alerts.runbook import runbook_markdown
-from ttftscope.alerts.slo_file import SLO, SLOFileError, load_slo
+from ttftscope.schemas.slo import SLO, SLOFileError, load_slo
 
 path = os.environ.get("TTFTSCOPE_SLO_FILE")
 try:

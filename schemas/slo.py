@@ -1,7 +1,9 @@
-"""The SLO file: one YAML document that alerts and dashboards are generated from.
+"""The SLO: one model for the analyzer, the alerts, the dashboards and the UI.
 
-``load_slo(path)`` validates it and raises :class:`SLOFileError` naming the file, the line
-and what is wrong. See ``alerts/slo.example.yaml`` for every key with its default.
+Two spellings of it, one meaning: a YAML file (``load_slo(path)``, every key in
+``alerts/slo.example.yaml``; errors name the file, the line and what is wrong) and, for the
+TTFT targets alone on a command line, ``p50=350,p95=600,p99=800`` (``SLO.parse``).
+``SLO.from_arg`` takes either: every ``--slo`` flag means the same thing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99, "p999": 0.999}
+DEFAULT_TARGETS_MS = {"p50": 350.0, "p95": 600.0, "p99": 800.0}
 _DURATION = re.compile(r"^\d+(ms|s|m|h|d|w)$")
 
 
@@ -22,7 +25,7 @@ class SLOFileError(ValueError):
 
 @dataclass
 class SLO:
-    ttft_targets_ms: dict[str, float] = field(default_factory=lambda: {"p50": 350.0, "p95": 600.0, "p99": 800.0})
+    ttft_targets_ms: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TARGETS_MS))
     ttft_models: dict[str, dict[str, float]] = field(default_factory=dict)
     ttft_priorities: dict[str, dict[str, float]] = field(default_factory=dict)
     queue_priority_p99_ms: float = 200.0
@@ -41,6 +44,45 @@ class SLO:
     group_wait: str = "30s"
     collector_max_queue_spans: int = 100_000
     scale_out_kv_usage: float = 0.8
+
+    def __post_init__(self) -> None:
+        for k, v in self.ttft_targets_ms.items():
+            if k not in QUANTILES:
+                raise ValueError(f"unknown SLO quantile {k!r}: use one of {', '.join(QUANTILES)}")
+            if not v > 0:
+                raise ValueError(f"SLO target for {k} must be > 0 ms, got {v!r}")
+
+    @classmethod
+    def parse(cls, spec: str | None) -> SLO:
+        """The TTFT targets from ``p50=350,p95=600,p99=800`` (ms). As in a file, a quantile
+        not given keeps its default target, and everything else keeps its default."""
+        if not spec:
+            return cls()
+        t = {}
+        for part in spec.split(","):
+            k, sep, v = part.partition("=")
+            try:
+                t[k.strip()] = float(v)
+            except ValueError:
+                raise ValueError(f"invalid SLO item {part!r}: use p99=800 (ms)") from None
+            if not sep:
+                raise ValueError(f"invalid SLO item {part!r}: use p99=800 (ms)")
+        return cls(ttft_targets_ms={**DEFAULT_TARGETS_MS, **t})
+
+    @classmethod
+    def from_arg(cls, value: str | None) -> SLO:
+        """What a ``--slo`` flag holds: an SLO file (``*.yaml``/``*.yml`` or an existing
+        path), or TTFT targets ``p50=350,...``; nothing means the defaults."""
+        if not value:
+            return cls()
+        if value.endswith((".yaml", ".yml")) or ("=" not in value and Path(value).exists()):
+            return load_slo(value)
+        return cls.parse(value)
+
+
+def default_spec() -> str:
+    """The default TTFT targets as a ``--slo`` string."""
+    return ",".join(f"{k}={v:g}" for k, v in DEFAULT_TARGETS_MS.items())
 
 
 # key -> (kind, attribute or nested schema); kinds: num, pos, frac, str, dur, qmap, qmapmap, url
