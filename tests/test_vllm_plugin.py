@@ -313,7 +313,10 @@ def test_stock_vllm_tracing_without_the_plugin(tmp_path):
     try:
         for i in range(3):
             srv.completion(prompt_of(30, i))
-        time.sleep(6)  # vLLM's own BatchSpanProcessor exports every 5 s
+        # vLLM's own BatchSpanProcessor exports every 5 s: wait until all three have arrived
+        deadline = time.monotonic() + 30
+        while col.metric("ttftscope_collector_spans_received_total") < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         srv.stop()
     assert col.terminate() == 0
