@@ -20,7 +20,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from ttftscope.schemas import engine
@@ -187,6 +186,6 @@ def _conform(table: pa.Table) -> pa.Table:
             cols.append(table.column(field.name).cast(field.type))
         else:
             if zeros is None:
-                zeros = pa.array(np.zeros(n + 1, dtype=np.int32))
+                zeros = pa.repeat(pa.scalar(0, pa.int32()), n + 1)
             cols.append(pa.ListArray.from_arrays(zeros, pa.array([], field.type.value_type)))
     return pa.Table.from_arrays(cols, schema=ARROW_SCHEMA)
