@@ -69,23 +69,33 @@ class PhaseMetrics:
         if t.num_rows == 0:
             return
         sa, ra = t.column("SpanAttributes"), t.column("ResourceAttributes")
-        model = pc.if_else(pc.not_equal(_lookup(sa, Attr.MODEL), ""), _lookup(sa, Attr.MODEL), _lookup(ra, ResourceAttr.MODEL))
+        own = _lookup(sa, Attr.MODEL)
+        model = pc.if_else(pc.not_equal(own, ""), own, _lookup(ra, ResourceAttr.MODEL))
         df = pl.DataFrame({
             "name": t.column("SpanName").to_numpy(zero_copy_only=False),
             "seconds": t.column("Duration").to_numpy().astype(float) / 1e9,
             "model": model.to_numpy(zero_copy_only=False),
             "priority": _lookup(sa, Attr.PRIORITY).to_numpy(zero_copy_only=False),
-            "rank": _lookup(sa, Attr.RANK).to_numpy(zero_copy_only=False),
-            "streaming": _lookup(sa, Attr.HTTP_STREAMING).to_numpy(zero_copy_only=False),
-            "instance": _lookup(ra, ResourceAttr.SERVICE_INSTANCE).to_numpy(zero_copy_only=False),
-            "role": _lookup(ra, ResourceAttr.ROLE).to_numpy(zero_copy_only=False),
         }).with_columns(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="").alias("phase"))
+
+        def only(name: str, **keys: tuple[str, str]) -> pl.DataFrame:
+            """The rows of one span name, with the attributes only they need (looked up there)."""
+            mask = pc.equal(t.column("SpanName"), name)
+            sub = t.filter(mask)
+            cols = {k: _lookup(sub.column(col), key).to_numpy(zero_copy_only=False) for k, (col, key) in keys.items()}
+            return df.filter(pl.Series(mask.to_numpy(zero_copy_only=False))).with_columns(
+                [pl.Series(k, v, dtype=pl.Utf8) for k, v in cols.items()])
+
+        http = only(SpanName.HTTP, streaming=("SpanAttributes", Attr.HTTP_STREAMING))
+        allreduce = only(SpanName.ALLREDUCE, rank=("SpanAttributes", Attr.RANK))
+        starts = only(SpanName.PROCESS_START, instance=("ResourceAttributes", ResourceAttr.SERVICE_INSTANCE),
+                      role=("ResourceAttributes", ResourceAttr.ROLE))
         with self._lock:
             self.phase.observe(df.filter((pl.col("phase") != "") & (pl.col("name") != SpanName.ALLREDUCE_CALL)),
                                "seconds")
-            self.ttft.observe(df.filter(pl.col("name") == SpanName.HTTP), "seconds")
-            self.allreduce.observe(df.filter(pl.col("name") == SpanName.ALLREDUCE), "seconds")
-            for r in df.filter(pl.col("name") == SpanName.PROCESS_START).iter_rows(named=True):  # a few per start
+            self.ttft.observe(http, "seconds")
+            self.allreduce.observe(allreduce, "seconds")
+            for r in starts.iter_rows(named=True):  # a few per start
                 self.cold[(r["instance"], r["role"])] = r["seconds"]
 
     def collect(self):
