@@ -143,8 +143,8 @@ def setup_otel(role: str) -> None:
                                      poster=_poster(cfg))
     provider.add_span_processor(proc)
     if not hasattr(trace.get_tracer_provider(), "add_span_processor"):
-        # no SDK provider yet: ours becomes the global one, so vLLM's own spans
-        # (llm_request, start-up) flow through the same bounded pipeline
+        # no SDK provider yet: ours becomes the global one (for libraries that use it; vLLM
+        # builds its own provider, which the vllm-tracer adapter points at this processor)
         trace.set_tracer_provider(provider)
     tracer = provider.get_tracer("ttftscope.vllm", "0.1.0")
     deferred = DeferredSpans(tracer, resource, max_queue=cfg.max_queue, max_batch=cfg.max_batch)
