@@ -69,7 +69,8 @@ def _nested(kvs: str) -> str:
     """1 when a map holds a value this query does not spell as the Python decoder does: an
     array or key-value list (recursive JSON), or a double ClickHouse prints with an exponent,
     or inf/nan (Go prints ``0.0000001``, ``+Inf``, ``NaN``). Such requests are rare and go
-    to the Python decoder; spelling them in SQL made every query's analysis ~100 ms longer."""
+    to the Python decoder: spelling them in SQL would lengthen every query's analysis several
+    times over, a fixed cost paid on each flush."""
     return (f"arrayExists(v -> v.value IN ('array_value', 'kvlist_value') OR "
             f"(v.value = 'double_value' AND match(toString(v.double_value), '[a-z]')), {kvs}.value)")
 
@@ -125,7 +126,7 @@ SETTINGS format_schema = '{PROTO}:ExportTraceServiceRequest', max_threads = 1,
 
 
 #: the query for bodies whose spans carry events or links, and the lighter one for the rest
-#: (the usual case: the Protobuf reader then skips those fields, and the query is ~20% cheaper)
+#: (the usual case: the Protobuf reader then skips those fields and the query builds fewer columns)
 SQL = {True: _sql(True), False: _sql(False)}
 STRUCTURE = {True: structure(True), False: structure(False)}
 
