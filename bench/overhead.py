@@ -133,7 +133,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
     sink = None
     if mode in ("vllm", "plugin"):
         cdir = Path(tempfile.mkdtemp(prefix=f"overhead-{mode}-", dir=collector_dir))
-        col = CollectorProc(str(cdir / "store"), cdir / "spool", flush_interval=0.5, nice=19).start()
+        col = CollectorProc(str(cdir / "store"), cdir / "spool", flush_interval=2.0, nice=19).start()  # the default
     if mode == "sink":
         port = free_port()
         sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], preexec_fn=lambda: os.nice(19))
