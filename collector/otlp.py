@@ -112,6 +112,25 @@ class _MapCol:
         )
 
 
+def span_problem(tid_bytes: float, tid_zero: bool, sid_bytes: float, sid_zero: bool, parent_bytes: float,
+                 start: int, end: int, lo: int, hi: int, max_dur: int) -> str | None:
+    """Why a span cannot be stored (the reason the client reads), or ``None``; id sizes in
+    bytes, whichever encoding they came in."""
+    if tid_bytes != 16 or tid_zero:
+        return "invalid trace id (need 16 non-zero bytes)"
+    if sid_bytes != 8 or sid_zero:
+        return "invalid span id (need 8 non-zero bytes)"
+    if parent_bytes and parent_bytes != 8:
+        return "invalid parent span id (need 8 bytes or empty)"
+    if start < lo or start > hi:
+        return "absurd start timestamp (before 2000 or too far in the future)"
+    if end < start:
+        return "end before start"
+    if end - start > max_dur:
+        return "absurd duration (longer than the limit)"
+    return None
+
+
 class SpanBatchBuilder:
     """Collects spans column by column and turns them into one Arrow table."""
 
@@ -146,21 +165,11 @@ class SpanBatchBuilder:
 
     # -- checks shared by both encodings ------------------------------------------------
     def check_span(self, trace_id: str, span_id: str, parent: str, start: int, end: int) -> str | None:
-        """Why the span cannot be stored, or ``None``."""
+        """Why the span (ids in hex) cannot be stored, or ``None``."""
         lim = self.limits
-        if len(trace_id) != 32 or trace_id == "0" * 32:
-            return "invalid trace id (need 16 non-zero bytes)"
-        if len(span_id) != 16 or span_id == "0" * 16:
-            return "invalid span id (need 8 non-zero bytes)"
-        if parent and len(parent) != 16:
-            return "invalid parent span id (need 8 bytes or empty)"
-        if start < lim.min_start_ns or start > self.now_ns + lim.max_future_ns:
-            return "absurd start timestamp (before 2000 or too far in the future)"
-        if end < start:
-            return "end before start"
-        if end - start > lim.max_duration_ns:
-            return "absurd duration (longer than the limit)"
-        return None
+        return span_problem(len(trace_id) / 2, trace_id == "0" * 32, len(span_id) / 2, span_id == "0" * 16,
+                            len(parent) / 2, start, end, lim.min_start_ns, self.now_ns + lim.max_future_ns,
+                            lim.max_duration_ns)
 
     def clip_attrs(self, d: dict[str, str]) -> dict[str, str]:
         lim = self.limits
@@ -456,23 +465,19 @@ def _clip_kvs(kvs, lim: Limits, report: DecodeReport) -> bool:
     return changed or bool(long)
 
 
+def _cap(items, most: int, what: str, report: DecodeReport) -> bool:
+    """Drop the repeated ``items`` beyond ``most`` (events, links), warning as ``add_span`` does."""
+    if len(items) <= most:
+        return False
+    report.warn(f"{what} dropped beyond {most} per span", len(items) - most)
+    del items[most:]
+    return True
+
+
 def _why_span(sp, lo: int, hi: int, max_dur: int) -> str | None:
-    """``SpanBatchBuilder.check_span`` on raw bytes (the same reasons, word for word)."""
-    tid, sid, pid = sp.trace_id, sp.span_id, sp.parent_span_id
-    if len(tid) != 16 or tid == _Z16:
-        return "invalid trace id (need 16 non-zero bytes)"
-    if len(sid) != 8 or sid == _Z8:
-        return "invalid span id (need 8 non-zero bytes)"
-    if pid and len(pid) != 8:
-        return "invalid parent span id (need 8 bytes or empty)"
-    start, end = sp.start_time_unix_nano, sp.end_time_unix_nano
-    if start < lo or start > hi:
-        return "absurd start timestamp (before 2000 or too far in the future)"
-    if end < start:
-        return "end before start"
-    if end - start > max_dur:
-        return "absurd duration (longer than the limit)"
-    return None
+    tid, sid = sp.trace_id, sp.span_id
+    return span_problem(len(tid), tid == _Z16, len(sid), sid == _Z8, len(sp.parent_span_id),
+                        sp.start_time_unix_nano, sp.end_time_unix_nano, lo, hi, max_dur)
 
 
 def _clip_span(sp, path: str, lim: Limits, report: DecodeReport) -> tuple[str | None, bool]:
@@ -490,20 +495,14 @@ def _clip_span(sp, path: str, lim: Limits, report: DecodeReport) -> tuple[str | 
         sp.name = sp.name[:max_name]
         changed = True
     changed |= _clip_kvs(sp.attributes, lim, report)
-    if len(sp.events) > lim.max_events:
-        report.warn(f"events dropped beyond {lim.max_events} per span", len(sp.events) - lim.max_events)
-        del sp.events[lim.max_events:]
-        changed = True
+    changed |= _cap(sp.events, lim.max_events, "events", report)
     for e in sp.events:
         if len(e.name) > max_name:
             report.warn(f"names truncated to {max_name} characters")
             e.name = e.name[:max_name]
             changed = True
         changed |= _clip_kvs(e.attributes, lim, report)
-    if len(sp.links) > lim.max_links:
-        report.warn(f"links dropped beyond {lim.max_links} per span", len(sp.links) - lim.max_links)
-        del sp.links[lim.max_links:]
-        changed = True
+    changed |= _cap(sp.links, lim.max_links, "links", report)
     for ln in sp.links:
         changed |= _clip_kvs(ln.attributes, lim, report)
     return None, changed
