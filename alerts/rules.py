@@ -48,7 +48,8 @@ class AlertDef:
     value: float | None = None  # $value when the bad case fires (derived below when None)
 
 
-def _q(v: str) -> str:
+def _promql_str(v: str) -> str:
+    """``v`` escaped for a PromQL double-quoted label value."""
     return v.replace("\\", "\\\\").replace('"', '\\"')
 
 
@@ -82,7 +83,7 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
     for qname, target_ms in slo.ttft_targets_ms.items():
         q, t = QUANTILES[qname], target_ms / 1000
         sev = "critical" if qname == "p50" else "warning"
-        excl = f'model!~"{"|".join(_q(m) for m in overridden)}"' if overridden else ""
+        excl = f'model!~"{"|".join(_promql_str(m) for m in overridden)}"' if overridden else ""
         A.append(AlertDef(
             f"TTFT{qname.upper()}AboveTarget", f"{_quantile(M.TTFT, q, 'model', excl)} > {t}", sev,
             f"TTFT {qname} above {target_ms:g} ms on {{{{ $labels.model }}}}",
@@ -94,7 +95,7 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
     for model, targets in sorted(slo.ttft_models.items()):
         for qname, target_ms in targets.items():
             q, t = QUANTILES[qname], target_ms / 1000
-            sel = 'model="' + _q(model) + '"'
+            sel = 'model="' + _promql_str(model) + '"'
             A.append(AlertDef(
                 f"TTFT{qname.upper()}AboveTargetModel", f"{_quantile(M.TTFT, q, 'model', sel)} > {t}",
                 "critical" if qname == "p50" else "warning",
@@ -105,7 +106,7 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
     for prio, targets in sorted(slo.ttft_priorities.items()):
         for qname, target_ms in targets.items():
             q, t = QUANTILES[qname], target_ms / 1000
-            sel = 'priority="' + _q(prio) + '"'
+            sel = 'priority="' + _promql_str(prio) + '"'
             A.append(AlertDef(
                 f"TTFT{qname.upper()}AboveTargetPriority",
                 f"{_quantile(M.TTFT, q, 'priority', sel)} > {t}", "critical",
@@ -308,7 +309,7 @@ def _series(item, samples: int) -> list[dict]:
         s, values = item
         return [{"series": s, "values": values}]
     h: Hist = item
-    labels = ",".join(f'{k}="{_q(v)}"' for k, v in sorted(h.labels.items()))
+    labels = ",".join(f'{k}="{_promql_str(v)}"' for k, v in sorted(h.labels.items()))
     out = []
     for le in (*h.buckets, float("inf")):
         inside = h.value <= le

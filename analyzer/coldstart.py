@@ -8,32 +8,30 @@ Uses the plugin's ``ttftscope.process`` span (process start -> ready) and the lo
 from __future__ import annotations
 
 import polars as pl
-from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, ResourceAttr, SpanName
+from ttftscope.schemas.phases import LOAD_SPANS
+from ttftscope.schemas.sql import in_list
+from ttftscope.schemas.sql import quote as _q
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 from .window import Window
 
 
-def _q(s: str) -> str:
-    return "'" + s.replace("'", "\\'") + "'"
-
-
 def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
-    names = ", ".join(_q(n) for n in sorted(VLLM_SPAN_PHASE))
+    ra = lambda k: f"ResourceAttributes[{_q(k)}]"  # noqa: E731
+    pid, vpid, host = ra(ResourceAttr.PROCESS_PID), ra(ResourceAttr.VLLM_PROCESS_ID), ra(ResourceAttr.HOST_NAME)
+    stage = f"SpanAttributes[{_q(Attr.LOAD_STAGE)}]"
     df = store.query(f"""
-        SELECT multiIf(ResourceAttributes['process.pid'] != '', concat(ResourceAttributes['host.name'], '/', ResourceAttributes['process.pid']),
-                       ResourceAttributes['vllm.process_id'] != '', concat(ResourceAttributes['host.name'], '/', ResourceAttributes['vllm.process_id']),
+        SELECT multiIf({pid} != '', concat({host}, '/', {pid}), {vpid} != '', concat({host}, '/', {vpid}),
                        TraceId) AS trace,
                TraceId AS trace_id,
-               if(SpanName = {_q(SpanName.LOAD)} AND SpanAttributes['ttftscope.load.stage'] != '',
-                  SpanAttributes['ttftscope.load.stage'], SpanName) AS name,
+               if(SpanName = {_q(SpanName.LOAD)} AND {stage} != '', {stage}, SpanName) AS name,
                toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e,
-               multiIf(ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}] != '', ResourceAttributes[{_q(ResourceAttr.SERVICE_INSTANCE)}],
-                       ResourceAttributes['vllm.process_name'] != '', ResourceAttributes['vllm.process_name'],
-                       ResourceAttributes['process.pid']) AS instance,
-               ResourceAttributes[{_q(ResourceAttr.ROLE)}] AS role,
+               multiIf({ra(ResourceAttr.SERVICE_INSTANCE)} != '', {ra(ResourceAttr.SERVICE_INSTANCE)},
+                       {ra(ResourceAttr.VLLM_PROCESS_NAME)} != '', {ra(ResourceAttr.VLLM_PROCESS_NAME)}, {pid}) AS instance,
+               {ra(ResourceAttr.ROLE)} AS role,
                ServiceName AS service
         FROM otel_traces
-        WHERE (SpanName = {_q(SpanName.PROCESS_START)} OR SpanName = {_q(SpanName.LOAD)} OR SpanName IN ({names}))
+        WHERE SpanName IN ({in_list([SpanName.PROCESS_START, *LOAD_SPANS])})
           AND Timestamp >= fromUnixTimestamp64Nano(toInt64({{since:Int64}} - 86400000000000))
           AND Timestamp < fromUnixTimestamp64Nano({{until:Int64}})
         ORDER BY trace, s""", window.params())

@@ -10,16 +10,16 @@ Python loop over spans or requests — only over path depth (a few dozen at most
 from __future__ import annotations
 
 import polars as pl
-from ttftscope.schemas.vocabulary import Attr, SpanName, phase_sql
+from ttftscope.schemas.phases import is_phase_span_sql, phase_sql
+from ttftscope.schemas.vocabulary import Attr, SpanName
 
+from .decompose import by_band, percentile_band
 from .window import Window
 
 
 def request_phase_spans(store, window: Window) -> pl.DataFrame:
     """Phase spans of the requests in ``window`` relative to the start of their TTFT window
     (ns), with each TTFT: the client's (``ttftscope.http``) when recorded, else vLLM's."""
-    names = ", ".join(f"'{n}'" for n in (SpanName.RECEIVE, SpanName.TOKENIZE, SpanName.INTAKE, SpanName.QUEUE,
-                                         SpanName.PREFILL, SpanName.DELIVER, SpanName.OUTPUT))
     return store.query(f"""
         WITH vreqs AS (
           SELECT TraceId, min(toUnixTimestamp64Nano(Timestamp)) AS t0,
@@ -38,7 +38,7 @@ def request_phase_spans(store, window: Window) -> pl.DataFrame:
         SELECT s.TraceId AS trace_id, {phase_sql('s.SpanName', 's.SpanAttributes')} AS phase, s.SpanName AS name,
                toUnixTimestamp64Nano(s.Timestamp) - r.t0 AS st, st + toInt64(s.Duration) AS en, r.ttft AS ttft
         FROM otel_traces AS s INNER JOIN reqs AS r ON s.TraceId = r.TraceId
-        WHERE s.SpanName IN ({names})
+        WHERE {is_phase_span_sql('s.SpanName', 's.SpanAttributes')}
           AND {Window.time_filter(60, 600, 's.Timestamp')} AND r.ttft > 0""", window.params())
 
 
@@ -69,15 +69,11 @@ def path_by_band(path: pl.DataFrame, decomposition: pl.DataFrame) -> list[dict]:
     if path.height == 0 or decomposition.height == 0:
         return []
     d = decomposition.select("trace_id", "ttft")
-    q = [d["ttft"].quantile(v, "lower") for v in (0.5, 0.95, 0.99)]
-    band = (pl.when(pl.col("ttft") <= q[0]).then(pl.lit("≤p50")).when(pl.col("ttft") <= q[1]).then(pl.lit("p50–p95"))
-            .when(pl.col("ttft") < q[2]).then(pl.lit("p95–p99")).otherwise(pl.lit("≥p99")))
     per = (path.with_columns((pl.col("en") - pl.col("st")).alias("d")).group_by("trace_id", "phase").agg(pl.col("d").sum())
            .pivot(on="phase", index="trace_id", values="d").fill_null(0))
     full = d.join(per, on="trace_id", how="left").fill_null(0)
     phases = [c for c in full.columns if c not in ("trace_id", "ttft")]
-    full = full.with_columns((pl.col("ttft") - pl.sum_horizontal(phases)).clip(lower_bound=0).alias("gap"), band.alias("band"))
-    g = full.group_by("band").agg(pl.len().alias("requests"), *[pl.col(c).mean() for c in [*phases, "gap"]])
-    order = {"≤p50": 0, "p50–p95": 1, "p95–p99": 2, "≥p99": 3}
+    full = full.with_columns((pl.col("ttft") - pl.sum_horizontal(phases)).clip(lower_bound=0).alias("gap"),
+                             percentile_band(d["ttft"]))
     return [{"band": r["band"], "requests": r["requests"], "path_ms": {c: r[c] / 1e6 for c in [*phases, "gap"]}}
-            for r in sorted(g.to_dicts(), key=lambda r: order[r["band"]])]
+            for r in by_band(full, [*phases, "gap"])]

@@ -9,7 +9,8 @@ a narrower window inside it and stays a column, ``ttft_vllm``. Without the middl
 
 One ClickHouse query does the per-request work inside the store: the request's phase spans
 are clipped to its TTFT window and swept; each instant goes to the highest-priority phase
-covering it (prefill > load > tokenize > deliver > queue > intake > receive) and what no
+covering it (the registry's sweep priority, ``schemas/phases.py``: prefill > load > tokenize >
+deliver > queue > intake > receive) and what no
 span covers is ``gap``, itself classified by its neighbours (host-side gap before the engine
 has the request, wait between prefill chunks, scheduling wait, delivery wait, other).
 Allreduce time is the part of each prefill chunk spent in its step's collectives (slowest
@@ -23,44 +24,39 @@ prefill; the rest of TTFT is ``gap`` ("everything else"), and ``coarse`` is true
 from __future__ import annotations
 
 import polars as pl
-from ttftscope.schemas.vocabulary import VLLM_SPAN_PHASE, Attr, Phase, ResourceAttr, SpanName
+from ttftscope.schemas.phases import (
+    GAP_SWEEP,
+    LOAD_SPANS,
+    PHASES,
+    SPECS,
+    SWEPT,
+    is_phase_span_sql,
+    sweep_sql,
+)
+from ttftscope.schemas.sql import in_list
+from ttftscope.schemas.sql import quote as _q
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 from .window import Window
 
-PHASE_COLUMNS = [p.value for p in (Phase.LOAD, Phase.RECEIVE, Phase.TOKENIZE, Phase.INTAKE, Phase.QUEUE, Phase.PREFILL,
-                                   Phase.ALLREDUCE, Phase.DELIVER, Phase.GAP)]
+PHASE_COLUMNS = list(PHASES)  # the registry's order; sums to ttft exactly
 GAP_COLUMNS = ["gap_host", "gap_chunk_wait", "gap_schedule", "gap_deliver", "gap_other"]
 
-# sweep priority of each phase span where spans overlap (lower wins); 99 = uncovered (gap)
-_P_PREFILL, _P_LOAD, _P_TOK, _P_DELIVER, _P_QUEUE, _P_INTAKE, _P_RECEIVE = 1, 2, 3, 4, 5, 6, 7
-_SWEPT = {  # priority -> (phase column, span names); load comes from vLLM's start-up spans
-    _P_PREFILL: (Phase.PREFILL.value, [SpanName.PREFILL]),
-    _P_TOK: (Phase.TOKENIZE.value, [SpanName.TOKENIZE]),
-    _P_DELIVER: (Phase.DELIVER.value, [SpanName.DELIVER, SpanName.OUTPUT]),
-    _P_QUEUE: (Phase.QUEUE.value, [SpanName.QUEUE]),
-    _P_INTAKE: (Phase.INTAKE.value, [SpanName.INTAKE]),
-    _P_RECEIVE: (Phase.RECEIVE.value, [SpanName.RECEIVE]),
-}
-
-
-def _q(s: str) -> str:
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+# sweep priorities the gap classes and the allreduce carve-out refer to (from the registry)
+_P_PREFILL, _P_LOAD, _P_DELIVER, _P_QUEUE = (SPECS[p].sweep for p in ("prefill", "load", "deliver", "queue"))
+_P_HOST = [p.sweep for p in SWEPT if p.host_side]
 
 
 def decompose_sql() -> str:
-    load_names = ", ".join(_q(n) for n in sorted(VLLM_SPAN_PHASE))
-    phase_names = ", ".join(_q(n) for _, names in _SWEPT.values() for n in names)
-    prio = "multiIf(" + ", ".join(f"SpanName IN ({', '.join(_q(n) for n in names)}), {p}"
-                                  for p, (_, names) in _SWEPT.items()) + ", 99)"
     a = lambda k: f"SpanAttributes[{_q(k)}]"  # noqa: E731
-    sums = ",\n  ".join(f"arraySum(arrayMap((sg, q) -> if(q = {p}, sg.2 - sg.1, 0), segs, segp)) AS {col}"
-                        for p, (col, _) in _SWEPT.items() if p != _P_PREFILL)
-    host = f"x.2 IN (0, {_P_RECEIVE}, {_P_TOK}, {_P_INTAKE})"
+    sums = ",\n  ".join(f"arraySum(arrayMap((sg, q) -> if(q = {p.sweep}, sg.2 - sg.1, 0), segs, segp)) AS {p.name}"
+                        for p in SWEPT if p.sweep != _P_PREFILL)
+    host = f"x.2 IN (0, {', '.join(map(str, _P_HOST))})"
     return f"""
 SELECT * EXCEPT (nb, prefill_all) FROM (
 WITH
   (SELECT groupArray((toUnixTimestamp64Nano(Timestamp), toUnixTimestamp64Nano(Timestamp) + toInt64(Duration)))
-     FROM otel_traces WHERE SpanName IN ({load_names}) AND {Window.time_filter(86400, 0)}) AS loads,
+     FROM otel_traces WHERE SpanName IN ({in_list(LOAD_SPANS)}) AND {Window.time_filter(86400, 0)}) AS loads,
   reqs AS (
     SELECT TraceId,
            any({a(Attr.REQUEST_ID)}) AS request_id,
@@ -100,10 +96,10 @@ WITH
            countIf(s.prio = {_P_PREFILL}) AS chunks,
            anyIf(s.priority, s.priority != '') AS span_priority
     FROM (
-      SELECT TraceId, {prio} AS prio, toUnixTimestamp64Nano(Timestamp) AS st, st + toInt64(Duration) AS en,
+      SELECT TraceId, {sweep_sql()} AS prio, toUnixTimestamp64Nano(Timestamp) AS st, st + toInt64(Duration) AS en,
              {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, {a(Attr.PRIORITY)} AS priority
       FROM otel_traces
-      WHERE SpanName IN ({phase_names}) AND {Window.time_filter(60, 600)}
+      WHERE {is_phase_span_sql()} AND {Window.time_filter(60, 600)}
         AND TraceId IN (SELECT TraceId FROM reqs)
     ) AS s
     LEFT JOIN ar ON s.engine = ar.engine AND s.step = ar.step
@@ -115,14 +111,13 @@ SELECT
   arraySum(arrayMap((sg, q) -> if(q = {_P_PREFILL}, sg.2 - sg.1, 0), segs, segp)) AS prefill_all,
   least(prefill_all, ar_total) AS allreduce,
   prefill_all - allreduce AS prefill,
-  arraySum(arrayMap((sg, q) -> if(q = {_P_LOAD}, sg.2 - sg.1, 0), segs, segp)) AS load,
   {sums},
-  arraySum(arrayMap((sg, q) -> if(q = 99, sg.2 - sg.1, 0), segs, segp)) AS gap,
+  arraySum(arrayMap((sg, q) -> if(q = {GAP_SWEEP}, sg.2 - sg.1, 0), segs, segp)) AS gap,
   arrayMap(i -> (segp[i], if(i = 1, 0, segp[i - 1]), if(i = length(segp), 0, segp[i + 1])), arrayEnumerate(segp)) AS nb,
-  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND {host}, sg.2 - sg.1, 0), segs, nb)) AS gap_host,
-  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 = {_P_PREFILL} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_chunk_wait,
-  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 = {_P_QUEUE} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_schedule,
-  arraySum(arrayMap((sg, x) -> if(x.1 = 99 AND x.2 IN ({_P_PREFILL}, {_P_DELIVER}) AND (x.3 = {_P_DELIVER} OR x.3 = 0), sg.2 - sg.1, 0), segs, nb)) AS gap_deliver,
+  arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND {host}, sg.2 - sg.1, 0), segs, nb)) AS gap_host,
+  arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 = {_P_PREFILL} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_chunk_wait,
+  arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 = {_P_QUEUE} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_schedule,
+  arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 IN ({_P_PREFILL}, {_P_DELIVER}) AND (x.3 = {_P_DELIVER} OR x.3 = 0), sg.2 - sg.1, 0), segs, nb)) AS gap_deliver,
   gap - gap_host - gap_chunk_wait - gap_schedule - gap_deliver AS gap_other
 FROM (
   SELECT r.* EXCEPT (t0, TraceId) REPLACE (if(r.priority != '', r.priority, ifNull(sp.span_priority, '')) AS priority),
@@ -148,7 +143,7 @@ FROM (
              arrayMap(x -> least(greatest(x.2, 0), ttft), ivs),
              arrayMap(x -> least(greatest(x.3, 0), ttft), ivs)))) AS b,
          arrayMap(i -> (b[i], b[i + 1]), range(1, toUInt32(length(b)))) AS segs,
-         arrayMap(sg -> arrayMin(arrayConcat([toUInt8(99)], arrayMap(x -> if(x.2 <= sg.1 AND x.3 >= sg.2, x.1, toUInt8(99)), ivs))), segs) AS segp
+         arrayMap(sg -> arrayMin(arrayConcat([toUInt8({GAP_SWEEP})], arrayMap(x -> if(x.2 <= sg.1 AND x.3 >= sg.2, x.1, toUInt8({GAP_SWEEP})), ivs))), segs) AS segp
   FROM reqs AS r LEFT JOIN spans AS sp ON r.TraceId = sp.TraceId LEFT JOIN http AS h ON r.TraceId = h.TraceId
 )
 WHERE ttft > 0
@@ -222,19 +217,29 @@ def tail_attribution(df: pl.DataFrame, quantile: float = 0.99) -> dict:
             "slowest": tail.sort("ttft", descending=True).head(5).select("request_id", "trace_id", "ttft").to_dicts()}
 
 
+BANDS = ("≤p50", "p50–p95", "p95–p99", "≥p99")
+
+
+def percentile_band(ttft: pl.Series) -> pl.Expr:
+    """The TTFT band (one of :data:`BANDS`) of each row, cut at ``ttft``'s p50, p95 and p99."""
+    q = [ttft.quantile(v, "lower") for v in (0.5, 0.95, 0.99)]
+    return (pl.when(pl.col("ttft") <= q[0]).then(pl.lit(BANDS[0]))
+            .when(pl.col("ttft") <= q[1]).then(pl.lit(BANDS[1]))
+            .when(pl.col("ttft") < q[2]).then(pl.lit(BANDS[2]))
+            .otherwise(pl.lit(BANDS[3]))).alias("band")
+
+
+def by_band(df: pl.DataFrame, cols: list[str]) -> list[dict]:
+    """Request count and the mean of ``cols`` per band, in band order (``df`` has a ``band``)."""
+    g = df.group_by("band").agg(pl.len().alias("requests"), *[pl.col(c).mean() for c in cols])
+    return sorted(g.to_dicts(), key=lambda r: BANDS.index(r["band"]))
+
+
 def by_percentile_band(df: pl.DataFrame) -> list[dict]:
     """Mean phase times for the bands ≤p50, p50–p95, p95–p99, ≥p99 (the flame per percentile)."""
     if df.height == 0:
         return []
-    q = [df["ttft"].quantile(v, "lower") for v in (0.5, 0.95, 0.99)]
-    band = (pl.when(pl.col("ttft") <= q[0]).then(pl.lit("≤p50"))
-            .when(pl.col("ttft") <= q[1]).then(pl.lit("p50–p95"))
-            .when(pl.col("ttft") < q[2]).then(pl.lit("p95–p99"))
-            .otherwise(pl.lit("≥p99")))
-    g = (df.with_columns(band.alias("band")).group_by("band")
-         .agg(pl.len().alias("requests"), pl.col("ttft").mean().alias("ttft"),
-              *[pl.col(c).mean() for c in PHASE_COLUMNS + GAP_COLUMNS]))
-    order = {"≤p50": 0, "p50–p95": 1, "p95–p99": 2, "≥p99": 3}
-    rows = sorted(g.to_dicts(), key=lambda r: order[r["band"]])
+    cols = PHASE_COLUMNS + GAP_COLUMNS
+    rows = by_band(df.with_columns(percentile_band(df["ttft"])), ["ttft", *cols])
     return [{"band": r["band"], "requests": r["requests"], "ttft_ms": r["ttft"] / 1e6,
-             "phases_ms": {c: r[c] / 1e6 for c in PHASE_COLUMNS + GAP_COLUMNS}} for r in rows]
+             "phases_ms": {c: r[c] / 1e6 for c in cols}} for r in rows]

@@ -7,7 +7,8 @@ with the request's id) so overlapping requests never collide on one thread.
 
 from __future__ import annotations
 
-from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName, phase_of
+from ttftscope.schemas.phases import phase_of
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 from .window import Window
 
@@ -46,7 +47,7 @@ def export_perfetto(store, *, trace_ids: list[str] | None = None, request_ids: l
         attrs = dict(r["attrs"]) if not isinstance(r["attrs"], dict) else r["attrs"]
         ts_us, dur_us = r["ts"] / 1e3, r["Duration"] / 1e3
         args = {"trace_id": r["TraceId"], "span_id": r["SpanId"], **attrs}
-        cat = phase_of(r["SpanName"]) or "span"
+        cat = phase_of(r["SpanName"], attrs.get(Attr.PHASE, "")) or "span"
         events.append({"name": r["SpanName"], "cat": cat, "ph": "X", "ts": ts_us, "dur": dur_us,
                        "pid": pid[proc], "tid": 1, "args": args})
         if r["SpanName"] == SpanName.REQUEST:

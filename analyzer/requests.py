@@ -6,7 +6,8 @@ Everything the UI shows about requests comes from here (the UI holds no analysis
 from __future__ import annotations
 
 import polars as pl
-from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName, phase_sql
+from ttftscope.schemas.phases import phase_sql
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 from .decompose import PHASE_COLUMNS
 

@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from ttftscope.schemas import metrics as M
-from ttftscope.schemas.vocabulary import OWN_SPAN_PHASE, Attr, ResourceAttr, SpanName
+from ttftscope.schemas.phases import OWN_SPAN_PHASE, SPAN_PHASES
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 
 class _Hist:
@@ -63,8 +64,10 @@ class PhaseMetrics:
         registry.register(self)
 
     def observe(self, table: pa.Table) -> None:
-        names = table.column("SpanName")
-        wanted = pc.is_in(names, pa.array(list(OWN_SPAN_PHASE) + [SpanName.HTTP, SpanName.PROCESS_START]))
+        # a span's phase: its ttftscope.phase attribute (another instrumentation's label) or its name's
+        label = _lookup(table.column("SpanAttributes"), Attr.PHASE)
+        wanted = pc.or_(pc.is_in(label, pa.array(SPAN_PHASES)),
+                        pc.is_in(table.column("SpanName"), pa.array([*OWN_SPAN_PHASE, SpanName.HTTP, SpanName.PROCESS_START])))
         t = table.filter(wanted)
         if t.num_rows == 0:
             return
@@ -73,10 +76,12 @@ class PhaseMetrics:
         model = pc.if_else(pc.not_equal(own, ""), own, _lookup(ra, ResourceAttr.MODEL))
         df = pl.DataFrame({
             "name": t.column("SpanName").to_numpy(zero_copy_only=False),
+            "label": label.filter(wanted).to_numpy(zero_copy_only=False),
             "seconds": t.column("Duration").to_numpy().astype(float) / 1e9,
             "model": model.to_numpy(zero_copy_only=False),
             "priority": _lookup(sa, Attr.PRIORITY).to_numpy(zero_copy_only=False),
-        }).with_columns(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="").alias("phase"))
+        }).with_columns(pl.when(pl.col("label") != "").then(pl.col("label"))
+                        .otherwise(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="")).alias("phase"))
 
         def only(name: str, **keys: tuple[str, str]) -> pl.DataFrame:
             """The rows of one span name, with the attributes only they need (looked up there)."""

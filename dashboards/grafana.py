@@ -21,8 +21,10 @@ from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as dm
 from ttftscope.schemas import metrics as M
+from ttftscope.schemas.phases import COLOURS, LOAD_SPANS, PHASES, phase_sql
 from ttftscope.schemas.slo import DEFAULT_TARGETS_MS
-from ttftscope.schemas.vocabulary import PHASES, Attr, ResourceAttr, SpanName, phase_sql
+from ttftscope.schemas.sql import in_list
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 CH_TYPE = "grafana-clickhouse-datasource"
 PROM = dm.DataSourceRef(type_val="prometheus", uid="${prometheus}")
@@ -95,6 +97,7 @@ def overview(targets_ms: dict[str, float] | None = None) -> dict:
     phase_p99 = timeseries.Panel().title("Phase p99").unit("s").height(8).span(12).datasource(PROM).with_target(_prom(
         f'histogram_quantile(0.99, sum by (le, phase) (rate({M.PHASE_DURATION}_bucket{{model=~"$model_name"}}[$__rate_interval])))',
         "{{phase}}"))
+    share, phase_p99 = _phase_colours(share), _phase_colours(phase_p99)
     prio = timeseries.Panel().title("Queue wait p99, priority class 0").unit("s").height(8).span(8).datasource(PROM) \
         .with_target(_prom(f'histogram_quantile(0.99, sum by (le) (rate({M.PHASE_DURATION}_bucket{{phase="queue", priority="0"}}[$__rate_interval])))',
                            "priority 0"))
@@ -121,6 +124,14 @@ def overview(targets_ms: dict[str, float] | None = None) -> dict:
     for p in (ttft, rate, share, phase_p99, prio, ar, load, itl, col):
         d = d.with_panel(p)
     return _encode(d)
+
+
+def _phase_colours(panel: timeseries.Panel) -> timeseries.Panel:
+    """Each phase's series in the registry's colour (the UI uses the same ones)."""
+    for name in PHASES:
+        panel = panel.override_by_name(name, [dm.DynamicConfigValue(
+            id_val="color", value={"mode": "fixed", "fixedColor": COLOURS[name]})])
+    return panel
 
 
 def _phase_expr() -> str:
@@ -165,8 +176,7 @@ def breakdown() -> dict:
 
 
 def cold_start() -> dict:
-    names = ", ".join(f"'{n}'" for n in ("Load model", "Load weights", "Allocate KV cache", "Warmup (CPU)", "Warmup (GPU)",
-                                         "Capture model", "Compile graph", SpanName.PROCESS_START))
+    names = in_list([*LOAD_SPANS, SpanName.PROCESS_START])
     tl = table.Panel().title("Start-up phases per process").height(10).span(16).datasource(CH).with_target(ClickHouseQuery(
         f"SELECT ResourceAttributes['{ResourceAttr.SERVICE_INSTANCE}'] AS instance, SpanName AS phase, "
         f"min(Timestamp) AS start, round(sum(Duration) / 1e9, 2) AS seconds FROM otel_traces "

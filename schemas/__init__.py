@@ -2,7 +2,8 @@
 
 from .columns import ARROW_SCHEMA, COLUMN_NAMES, SPAN_COLUMNS
 from .ddl import SCHEMA_VERSION, TRACE_ID_TS, TRACES, DDLOptions
-from .vocabulary import PHASES, Attr, Phase, ResourceAttr, SpanName
+from .phases import PHASES, Phase
+from .vocabulary import Attr, ResourceAttr, SpanName
 
 __all__ = [
     "ARROW_SCHEMA",

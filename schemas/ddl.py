@@ -34,16 +34,21 @@ class DDLOptions:
     zk_path: str = "/clickhouse/tables/{shard}/{database}/{table}"
     replica: str = "{replica}"
 
+    @property
+    def on_cluster(self) -> str:
+        """`` ON CLUSTER c`` for DDL on a cluster, empty on one node."""
+        return f" ON CLUSTER {self.cluster}" if self.cluster else ""
+
+    def local(self, table: str) -> str:
+        """Name of the physical table: ``x`` on one node, ``x_local`` under a Distributed ``x``."""
+        return f"{table}_local" if self.cluster else table
+
     def __post_init__(self) -> None:
         _ident(self.database, "database name")
         if self.cluster is not None:
             _ident(self.cluster, "cluster name")
         if self.ttl_days is not None and (int(self.ttl_days) != self.ttl_days or self.ttl_days < 1):
             raise ValueError(f"ttl_days must be a positive integer, got {self.ttl_days!r}")
-
-
-def _on_cluster(o: DDLOptions) -> str:
-    return f" ON CLUSTER {o.cluster}" if o.cluster else ""
 
 
 def _engine(o: DDLOptions, kind: str, table: str) -> str:
@@ -54,16 +59,11 @@ def _engine(o: DDLOptions, kind: str, table: str) -> str:
     return f"Replicated{kind}('{o.zk_path}', '{o.replica}')"
 
 
-def _local(o: DDLOptions, table: str) -> str:
-    """Name of the physical table: ``x`` on one node, ``x_local`` under a Distributed ``x``."""
-    return f"{table}_local" if o.cluster else table
-
-
 def traces_table(o: DDLOptions) -> str:
-    t = _local(o, TRACES)
+    t = o.local(TRACES)
     ttl = f"\nTTL toDateTime(Timestamp) + toIntervalDay({int(o.ttl_days)})" if o.ttl_days else ""
     dedup = "" if o.cluster else ", non_replicated_deduplication_window = 10000"
-    return f"""CREATE TABLE IF NOT EXISTS {o.database}.{t}{_on_cluster(o)}
+    return f"""CREATE TABLE IF NOT EXISTS {o.database}.{t}{o.on_cluster}
 (
     Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
     TraceId String CODEC(ZSTD(1)),
@@ -111,9 +111,9 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1{dedup}"""
 
 
 def trace_id_ts_table(o: DDLOptions) -> str:
-    t = _local(o, TRACE_ID_TS)
+    t = o.local(TRACE_ID_TS)
     ttl = f"\nTTL toDateTime(Start) + toIntervalDay({int(o.ttl_days)})" if o.ttl_days else ""
-    return f"""CREATE TABLE IF NOT EXISTS {o.database}.{t}{_on_cluster(o)}
+    return f"""CREATE TABLE IF NOT EXISTS {o.database}.{t}{o.on_cluster}
 (
     TraceId String CODEC(ZSTD(1)),
     Start SimpleAggregateFunction(min, DateTime) CODEC(ZSTD(1)),
@@ -126,8 +126,8 @@ SETTINGS index_granularity = 8192"""
 
 
 def trace_id_ts_view(o: DDLOptions) -> str:
-    src, dst = _local(o, TRACES), _local(o, TRACE_ID_TS)
-    return f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {o.database}.{TRACE_ID_TS_MV}{_on_cluster(o)}
+    src, dst = o.local(TRACES), o.local(TRACE_ID_TS)
+    return f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {o.database}.{TRACE_ID_TS_MV}{o.on_cluster}
 TO {o.database}.{dst}
 AS SELECT
     TraceId,
@@ -142,17 +142,17 @@ def distributed_tables(o: DDLOptions) -> list[str]:
     if not o.cluster:
         return []
     return [
-        f"CREATE TABLE IF NOT EXISTS {o.database}.{TRACES}{_on_cluster(o)} "
+        f"CREATE TABLE IF NOT EXISTS {o.database}.{TRACES}{o.on_cluster} "
         f"AS {o.database}.{TRACES}_local "
         f"ENGINE = Distributed({o.cluster}, {o.database}, {TRACES}_local, cityHash64(TraceId))",
-        f"CREATE TABLE IF NOT EXISTS {o.database}.{TRACE_ID_TS}{_on_cluster(o)} "
+        f"CREATE TABLE IF NOT EXISTS {o.database}.{TRACE_ID_TS}{o.on_cluster} "
         f"AS {o.database}.{TRACE_ID_TS}_local "
         f"ENGINE = Distributed({o.cluster}, {o.database}, {TRACE_ID_TS}_local, cityHash64(TraceId))",
     ]
 
 
 def migrations_table(o: DDLOptions) -> str:
-    return f"""CREATE TABLE IF NOT EXISTS {o.database}.{MIGRATIONS_TABLE}{_on_cluster(o)}
+    return f"""CREATE TABLE IF NOT EXISTS {o.database}.{MIGRATIONS_TABLE}{o.on_cluster}
 (
     version UInt32,
     description String,
@@ -171,7 +171,7 @@ class Migration:
 
 def migrations(o: DDLOptions) -> list[Migration]:
     """All migrations in order. Each statement is idempotent (IF NOT EXISTS)."""
-    create = [f"CREATE DATABASE IF NOT EXISTS {o.database}{_on_cluster(o)}"]
+    create = [f"CREATE DATABASE IF NOT EXISTS {o.database}{o.on_cluster}"]
     return [
         Migration(
             1,
@@ -187,7 +187,7 @@ def migrations(o: DDLOptions) -> list[Migration]:
 
 def all_statements(o: DDLOptions) -> list[str]:
     """Every statement, for ``ttftscope schema ddl`` and for review."""
-    out = [f"CREATE DATABASE IF NOT EXISTS {o.database}{_on_cluster(o)}", migrations_table(o)]
+    out = [f"CREATE DATABASE IF NOT EXISTS {o.database}{o.on_cluster}", migrations_table(o)]
     for m in migrations(o):
         out.extend(s for s in m.statements if not s.startswith("CREATE DATABASE"))
     return out

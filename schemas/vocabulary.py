@@ -1,4 +1,4 @@
-"""The one vocabulary of ttftscope: TTFT phases, our span names and attribute keys.
+"""The one vocabulary of ttftscope: our span names and attribute keys (phases: ``phases.py``).
 
 Everything else (plugin, analyzer, UI, dashboards, alerts) imports these names from here;
 none of them spells a span name or an attribute key on its own. Bump ``VOCABULARY_VERSION``
@@ -11,27 +11,6 @@ from enum import Enum
 
 VOCABULARY_VERSION = 2  # 2: TTFT as the client sees it (receive, intake, deliver; output -> deliver)
 
-
-class Phase(str, Enum):
-    """A phase of the time to first token (see DESIGN.md)."""
-
-    LOAD = "load"  # weights to device, KV-cache allocation, warmup, graph capture
-    RECEIVE = "receive"  # API server: HTTP receive, body parse, middleware, routing (before rendering)
-    TOKENIZE = "tokenize"  # chat template + tokenizer in the API server
-    INTAKE = "intake"  # API server -> engine core: IPC, then waiting for the busy engine loop
-    QUEUE = "queue"  # engine core: queued -> first scheduled
-    PREFILL = "prefill"  # forward passes over the prompt (one span per chunk)
-    ALLREDUCE = "allreduce"  # tensor-parallel collectives inside prefill
-    DELIVER = "deliver"  # first token produced -> output processing, detokenize, serialise, bytes written
-    GAP = "gap"  # time inside TTFT no phase covers
-
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
-
-PHASES: tuple[str, ...] = tuple(p.value for p in Phase)
-#: Phases that a span can carry (``gap`` is derived, never emitted).
-SPAN_PHASES: tuple[str, ...] = tuple(p.value for p in Phase if p is not Phase.GAP)
 
 # --------------------------------------------------------------------------- span names
 PREFIX = "ttftscope"
@@ -57,44 +36,6 @@ class SpanName:
     PROCESS_START = f"{PREFIX}.process"  # process start -> ready (cold start)
     LOADTEST = f"{PREFIX}.loadtest"  # one `ttftscope run` / sweep point, with the benchmark's numbers
 
-
-#: span name -> phase, for our own spans.
-OWN_SPAN_PHASE: dict[str, str] = {
-    SpanName.RECEIVE: Phase.RECEIVE.value,
-    SpanName.TOKENIZE: Phase.TOKENIZE.value,
-    SpanName.INTAKE: Phase.INTAKE.value,
-    SpanName.QUEUE: Phase.QUEUE.value,
-    SpanName.PREFILL: Phase.PREFILL.value,
-    SpanName.DELIVER: Phase.DELIVER.value,
-    SpanName.OUTPUT: Phase.DELIVER.value,
-    SpanName.ALLREDUCE: Phase.ALLREDUCE.value,
-    SpanName.ALLREDUCE_CALL: Phase.ALLREDUCE.value,
-    SpanName.LOAD: Phase.LOAD.value,
-}
-
-#: vLLM's own start-up spans (``vllm.tracing.instrument``) -> phase.
-VLLM_SPAN_PHASE: dict[str, str] = {
-    name: Phase.LOAD.value
-    for name in (
-        "Load model",
-        "Load weights",
-        "Initialize model",
-        "Loading (CPU)",
-        "Loading (GPU)",
-        "Allocate KV cache",
-        "Prepare model",
-        "Warmup (CPU)",
-        "Warmup (GPU)",
-        "Capture model",
-        "Compile graph",
-        "Worker init",
-        "Executor init",
-        "EngineCoreProc init",
-        "API server setup",
-    )
-}
-
-SPAN_PHASE: dict[str, str] = {**VLLM_SPAN_PHASE, **OWN_SPAN_PHASE}
 
 # ----------------------------------------------------------------------- attribute keys
 
@@ -144,6 +85,9 @@ class Attr:
     ALLREDUCE_COUNT = f"{PREFIX}.allreduce.count"
     ALLREDUCE_BYTES = f"{PREFIX}.allreduce.bytes"
     LOAD_STAGE = f"{PREFIX}.load.stage"
+    #: a load-test result (``ttftscope run`` / sweep): ``ttftscope.loadtest.<metric>``,
+    #: ``...priority.<class>.<metric>``, ``...setting.<name>``
+    LOADTEST = f"{PREFIX}.loadtest"
     SAMPLED = f"{PREFIX}.sampled"
     COLLECTIVE = f"{PREFIX}.collective"  # the profiler's name for a sampled collective call
     # the client's window (ttftscope.http)
@@ -171,6 +115,10 @@ class ResourceAttr:
     ROLE = f"{PREFIX}.process.role"  # one of ProcessRole
     RUN = f"{PREFIX}.run"  # label of a demo / load-test run
     MODEL = f"{PREFIX}.model"
+    # vLLM's own tracer resource (vllm.tracing.otel.init_otel_tracer)
+    VLLM_PROCESS_ID = "vllm.process_id"
+    VLLM_PROCESS_NAME = "vllm.process_name"
+    VLLM_MODULE = "vllm.instrumenting_module_name"
 
 
 class ProcessRole(str, Enum):
@@ -189,33 +137,10 @@ LEGACY_SPAN_KIND = {f"SPAN_KIND_{k.upper()}": k for k in SPAN_KINDS}
 LEGACY_STATUS_CODE = {f"STATUS_CODE_{s.upper()}": s for s in STATUS_CODES}
 
 
-def phase_of(span_name: str) -> str | None:
-    """Phase of a span name, or ``None`` for spans that are not a phase."""
-    return SPAN_PHASE.get(span_name)
-
-
-def phase_sql(span_name_col: str = "SpanName", attrs_col: str = "SpanAttributes") -> str:
-    """ClickHouse expression mapping a span to its phase ('' when none).
-
-    An explicit ``ttftscope.phase`` attribute wins over the name mapping, so other
-    instrumentations can label their spans without ttftscope knowing their names.
-    """
-    by_phase: dict[str, list[str]] = {}
-    for name, phase in SPAN_PHASE.items():
-        by_phase.setdefault(phase, []).append(name)
-    branches = []
-    for phase, names in by_phase.items():
-        quoted = ", ".join("'" + n.replace("'", "\\'") + "'" for n in sorted(names))
-        branches.append(f"{span_name_col} IN ({quoted}), '{phase}'")
-    return (
-        f"multiIf({attrs_col}['{Attr.PHASE}'] != '', {attrs_col}['{Attr.PHASE}'], "
-        + ", ".join(branches)
-        + ", '')"
-    )
-
-
 def as_dict() -> dict:
     """The vocabulary as plain data (for docs, the UI and other languages)."""
+    from .phases import PHASES, SPAN_PHASE
+
     return {
         "version": VOCABULARY_VERSION,
         "phases": list(PHASES),

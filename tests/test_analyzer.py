@@ -313,3 +313,53 @@ def test_shared_prefixes_without_cache_hits_advise_prefix_caching(tmp_path, cach
     else:
         assert found and found[0]["severity"] == "high" and found[0]["evidence"]["request_ids"]
         assert any(a["finding"] == "prefix_cache_misses" for a in r["advice"])
+
+
+def test_a_span_labelled_with_its_phase_counts_as_that_phase(tmp_path):
+    """The documented ``ttftscope.phase`` attribute wins over the span name: another
+    instrumentation's tokenizer span, under a name ttftscope does not know, is ``tokenize`` in
+    the decomposition, on the critical path and in the collector's phase metrics, exactly as
+    our own span is."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from prometheus_client import CollectorRegistry
+    from ttftscope.analyzer.critical_path import request_phase_spans
+    from ttftscope.collector.phase_metrics import PhaseMetrics
+    from ttftscope.schemas.vocabulary import Attr, SpanName
+
+    tables, _ = synth.generate("baseline", 300, seed=7)
+
+    def relabel(t: pa.Table) -> pa.Table:
+        mine = pc.equal(t.column("SpanName"), SpanName.TOKENIZE).to_pylist()
+        if not any(mine):
+            return t
+        names = ["acme.tokenizer" if m else n for m, n in zip(mine, t.column("SpanName").to_pylist(), strict=True)]
+        attrs = [[*a, (Attr.PHASE, "tokenize")] if m else a
+                 for m, a in zip(mine, t.column("SpanAttributes").to_pylist(), strict=True)]
+        t = t.set_column(t.schema.get_field_index("SpanName"), "SpanName", pa.array(names, t.schema.field("SpanName").type))
+        return t.set_column(t.schema.get_field_index("SpanAttributes"), "SpanAttributes",
+                            pa.array(attrs, t.schema.field("SpanAttributes").type))
+
+    ours, theirs = open_store(str(tmp_path / "ours")), open_store(str(tmp_path / "theirs"))
+    m_ours, m_theirs = PhaseMetrics(CollectorRegistry()), PhaseMetrics(CollectorRegistry())
+    for i, t in enumerate(tables):
+        ours.insert_spans(t, f"o{i}")
+        m_ours.observe(t)
+        r = relabel(t)
+        theirs.insert_spans(r, f"t{i}")
+        m_theirs.observe(r)
+    assert theirs.query(f"SELECT count() FROM otel_traces WHERE SpanName = '{SpanName.TOKENIZE}'").item() == 0
+
+    a = decompose(ours, win()).sort("request_id")
+    b = decompose(theirs, win()).sort("request_id")
+    assert a.height == b.height == 300 and (a["tokenize"] > 0).all()
+    assert a.select(PHASE_COLUMNS + GAP_COLUMNS).equals(b.select(PHASE_COLUMNS + GAP_COLUMNS))
+
+    def tokenize_time(st) -> int:
+        sp = request_phase_spans(st, win())
+        return int(sp.filter(pl.col("phase") == "tokenize").select((pl.col("en") - pl.col("st")).sum()).item())
+    assert tokenize_time(theirs) == tokenize_time(ours) > 0
+
+    def tokenize_count(m: PhaseMetrics) -> int:
+        return sum(int(c[0].sum()) for k, c in m.phase.data.items() if k[0] == "tokenize")
+    assert tokenize_count(m_theirs) == tokenize_count(m_ours) == 300

@@ -128,8 +128,9 @@ def test_phase_mapping_sql_agrees_with_python(tmp_path):
     import time
 
     from ttftscope.collector.otlp import SpanBatchBuilder
-    from ttftscope.schemas import vocabulary as v
+    from ttftscope.schemas import phases as v
     from ttftscope.schemas.store import open_store
+    from ttftscope.schemas.vocabulary import Attr
 
     names = list(v.SPAN_PHASE) + ["llm_request", "something else"]
     b = SpanBatchBuilder()
@@ -141,10 +142,32 @@ def test_phase_mapping_sql_agrees_with_python(tmp_path):
     # an explicit phase attribute wins over the name
     b.add_span(start=now, end=now + 1, trace_id=f"{999:032x}", span_id=f"{999:016x}", parent="", trace_state="",
                name="custom.thing", kind="Internal", service="s", resource={}, scope_name="", scope_version="",
-               attrs={v.Attr.PHASE: "tokenize"}, status="Unset", status_msg="", events=[], links=[])
+               attrs={Attr.PHASE: "tokenize"}, status="Unset", status_msg="", events=[], links=[])
     st = open_store(str(tmp_path / "s"))
     st.insert_spans(b.table(), "t")
     got = dict(st.query(f"SELECT SpanName, {v.phase_sql()} AS phase FROM otel_traces").iter_rows())
     for n in names:
         assert got[n] == (v.phase_of(n) or ""), n
     assert got["custom.thing"] == "tokenize"
+
+
+def test_every_phase_is_derived_from_the_registry():
+    """Adding a phase is one PhaseSpec: the decomposition's columns, the UI's and Grafana's
+    colours, the span mapping (SQL and Python) and the vocabulary document all follow it."""
+    import json
+
+    from ttftscope.analyzer.decompose import PHASE_COLUMNS
+    from ttftscope.dashboards import grafana
+    from ttftscope.schemas import phases, vocabulary
+
+    names = [p.name for p in phases.REGISTRY]
+    assert PHASE_COLUMNS == names == list(phases.PHASES) == [p.value for p in phases.Phase]
+    assert all(phases.COLOURS[n].startswith("#") and phases.LABELS[n] for n in names)
+    assert len({phases.COLOURS[n] for n in names}) == len(names), "one colour per phase"
+    assert vocabulary.as_dict()["phases"] == names
+    for p in phases.REGISTRY:
+        for s in (*p.spans, *p.vllm_spans):
+            assert phases.phase_of(s) == p.name and f"'{s}'" in phases.phase_sql()
+    overview = json.dumps(grafana.overview())
+    for n in names:
+        assert phases.COLOURS[n] in overview, n

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 
-from ttftscope.schemas.vocabulary import Attr, Phase, ResourceAttr, SpanName
+from ttftscope.schemas.phases import Phase
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 from .runtime import RT, guard, span
 

@@ -11,7 +11,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, ProcessRole, SpanName
+from ttftscope.schemas.phases import Phase
+from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, ProcessRole, SpanName
 
 from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready

@@ -7,7 +7,8 @@ import contextvars
 import functools
 import time
 
-from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, Phase, SpanName
+from ttftscope.schemas.phases import Phase
+from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, SpanName
 
 from .adapters import FRONTEND, Internal, adapter
 from .http import ACTIVE, RDV, emit_deliver, emit_receive, trace_id_of

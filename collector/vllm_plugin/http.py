@@ -29,7 +29,8 @@ import time
 from collections import OrderedDict
 
 import orjson
-from ttftscope.schemas.vocabulary import Attr, Phase, SpanName
+from ttftscope.schemas.phases import Phase
+from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from .adapters import FRONTEND, Internal, adapter
 from .runtime import guard, log, new_traceparent, sampled, set_model, span

@@ -19,7 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ttftscope.schemas.vocabulary import Attr, Phase, ProcessRole, SpanName
+from ttftscope.schemas.phases import Phase
+from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
 
 from .adapters import WORKER, Internal, adapter
 from .coldstart import emit_process_ready

@@ -13,15 +13,10 @@ from ttftscope.analyzer import Analyzer, Window
 from ttftscope.dashboards.ui.refresh import StaleWhileRevalidate
 from ttftscope.schemas.slo import SLO, default_spec
 from ttftscope.schemas.store import StoreError, default_store_url, open_store
-from ttftscope.schemas.vocabulary import PHASES
 
-PHASE_COLORS = {"load": "#8c564b", "tokenize": "#17becf", "queue": "#ff7f0e", "prefill": "#1f77b4",
-                "allreduce": "#9467bd", "deliver": "#2ca02c",
-                "receive": "#bcbd22", "intake": "#e377c2", "gap": "#d3d3d3", "": "#7f7f7f"}
 SEVERITY_ICON = {"high": "🔴", "medium": "🟠", "low": "🟡"}
 WINDOWS = {"auto (last hour, else all data)": None, "last 15 min": 900, "last hour": 3600, "last 6 hours": 6 * 3600,
            "last 24 hours": 86400, "last 7 days": 7 * 86400, "all data": -1}
-assert set(PHASE_COLORS) >= set(PHASES)
 
 
 class UIError(Exception):

@@ -95,7 +95,7 @@ class ClickHouseStore(Store):
         o = self.options
         boot = self._connect(None)
         try:
-            self._call(boot.command, f"CREATE DATABASE IF NOT EXISTS {o.database}" + (f" ON CLUSTER {o.cluster}" if o.cluster else ""))
+            self._call(boot.command, f"CREATE DATABASE IF NOT EXISTS {o.database}{o.on_cluster}")
             self._call(boot.command, migrations_table(o))
             applied = self._call(
                 boot.query, f"SELECT max(version) FROM {o.database}.{MIGRATIONS_TABLE}"
@@ -134,15 +134,14 @@ class ClickHouseStore(Store):
     def apply_retention(self, days: float) -> int:
         """Drop whole daily partitions older than ``days`` (TTL does it too when set)."""
         o = self.options
-        t = f"{TRACES}_local" if o.cluster else TRACES
+        t = o.local(TRACES)
         rows = self.query_arrow(
             "SELECT DISTINCT partition_id FROM system.parts WHERE database = {db:String} AND table = {t:String} "
             "AND active AND max_time < now() - toIntervalSecond({s:UInt64})",
             {"db": o.database, "t": t, "s": int(days * 86400)},
         ).column(0).to_pylist()
         for pid in rows:
-            on = f" ON CLUSTER {o.cluster}" if o.cluster else ""
-            self._call(self.client.command, f"ALTER TABLE {o.database}.{t}{on} DROP PARTITION ID '{pid}'")
+            self._call(self.client.command, f"ALTER TABLE {o.database}.{t}{o.on_cluster} DROP PARTITION ID '{pid}'")
         return len(rows)
 
     # ----------------------------------------------------------------- reads

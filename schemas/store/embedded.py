@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 from .. import engine
 from ..columns import ARROW_SCHEMA, clickhouse_structure
 from ..ddl import SCHEMA_VERSION, TRACE_ID_TS, TRACES
+from ..sql import quote
 from .base import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("ttftscope.store")
@@ -87,7 +88,7 @@ def _publish(tmp: Path, final: Path) -> None:
 def _literal(v: Any) -> str:
     """A value in ClickHouse's text format for a composite query parameter."""
     if isinstance(v, str):
-        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return quote(v)
     if isinstance(v, (list, tuple)):
         inner = ",".join(_literal(x) for x in v)
         return f"[{inner}]" if isinstance(v, list) else f"({inner})"

@@ -7,13 +7,13 @@ import streamlit as st
 from ttftscope.analyzer.decompose import PHASE_COLUMNS, by_percentile_band, phase_stats
 from ttftscope.analyzer.requests import choices, filter_requests, share_by_band
 from ttftscope.dashboards.ui.common import (
-    PHASE_COLORS,
     decomposition,
     guard,
     report,
     sidebar_window,
     table,
 )
+from ttftscope.schemas.phases import COLOURS as PHASE_COLORS
 
 st.title("Where TTFT goes")
 with guard():

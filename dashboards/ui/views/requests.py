@@ -7,7 +7,6 @@ import streamlit as st
 from ttftscope.analyzer.decompose import PHASE_COLUMNS
 from ttftscope.analyzer.requests import gap_intervals, slowest
 from ttftscope.dashboards.ui.common import (
-    PHASE_COLORS,
     UIError,
     analyzer,
     decomposition,
@@ -15,6 +14,7 @@ from ttftscope.dashboards.ui.common import (
     sidebar_window,
     table,
 )
+from ttftscope.schemas.phases import COLOURS as PHASE_COLORS
 
 st.title("Requests")
 with guard():
