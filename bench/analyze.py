@@ -23,9 +23,13 @@ import time
 import numpy as np
 from ttftscope.analyzer import synth
 from ttftscope.analyzer.window import Window
+from ttftscope.schemas.phases import GAP_SWEEP, SWEPT
+from ttftscope.schemas.sql import in_list
 from ttftscope.schemas.store import open_store
+from ttftscope.schemas.vocabulary import Attr, SpanName
 
-PRIO = {"ttftscope.prefill": 1, "ttftscope.tokenize": 3, "ttftscope.output": 4, "ttftscope.queue": 5}
+#: our per-request phase spans and their sweep priority, from the phase registry
+PRIO = {name: p.sweep for p in SWEPT if p.name != "load" for name in p.spans}
 
 
 def pandas_decompose(store, window: Window):
@@ -33,12 +37,12 @@ def pandas_decompose(store, window: Window):
     w = window.params()
     req = store.query(
         "SELECT TraceId, toUnixTimestamp64Nano(Timestamp) AS t0, "
-        "toInt64(round(toFloat64OrZero(SpanAttributes['gen_ai.latency.time_to_first_token']) * 1e9)) AS ttft "
-        "FROM otel_traces WHERE SpanName = 'llm_request' AND Timestamp >= fromUnixTimestamp64Nano({since:Int64}) "
+        f"toInt64(round(toFloat64OrZero(SpanAttributes['{Attr.VLLM_TTFT}']) * 1e9)) AS ttft "
+        f"FROM otel_traces WHERE SpanName = '{SpanName.REQUEST}' AND Timestamp >= fromUnixTimestamp64Nano({{since:Int64}}) "
         "AND Timestamp < fromUnixTimestamp64Nano({until:Int64})", w).to_pandas()
     spans = store.query(
         "SELECT TraceId, SpanName, toUnixTimestamp64Nano(Timestamp) AS s, toInt64(Duration) AS d "
-        "FROM otel_traces WHERE SpanName IN ('ttftscope.prefill','ttftscope.tokenize','ttftscope.output','ttftscope.queue') "
+        f"FROM otel_traces WHERE SpanName IN ({in_list(PRIO)}) "
         "AND Timestamp >= fromUnixTimestamp64Nano(toInt64({since:Int64} - 60000000000)) "
         "AND Timestamp < fromUnixTimestamp64Nano(toInt64({until:Int64} + 600000000000))", w).to_pandas()
     spans["prio"] = spans["SpanName"].map(PRIO)
@@ -48,9 +52,9 @@ def pandas_decompose(store, window: Window):
         t0, ttft = g["t0"].iloc[0], g["ttft"].iloc[0]
         iv = [(p, min(max(s - t0, 0), ttft), min(max(s + d - t0, 0), ttft)) for p, s, d in zip(g["prio"], g["s"], g["d"], strict=True)]
         b = sorted({0, ttft, *[x[1] for x in iv], *[x[2] for x in iv]})
-        acc = {1: 0, 3: 0, 4: 0, 5: 0, 99: 0}
+        acc = dict.fromkeys([*PRIO.values(), GAP_SWEEP], 0)
         for a, c in zip(b, b[1:], strict=False):
-            p = min([x[0] for x in iv if x[1] <= a and x[2] >= c], default=99)
+            p = min([x[0] for x in iv if x[1] <= a and x[2] >= c], default=GAP_SWEEP)
             acc[p] += c - a
         out.append((tid, ttft, acc))
     return out

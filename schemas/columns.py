@@ -58,3 +58,14 @@ def clickhouse_structure() -> str:
 
 def empty_table() -> pa.Table:
     return ARROW_SCHEMA.empty_table()
+
+
+def spans_table(spans: list[dict]) -> pa.Table:
+    """A few spans written by ttftscope itself (a load test's result, say) as ``otel_traces``
+    rows: each a dict of column values (maps as dicts, ``Timestamp`` in ns since the epoch);
+    columns not given are empty. Incoming OTLP goes through the collector, not here."""
+    blank = {c.name: ([] if pa.types.is_list(c.arrow) else {} if pa.types.is_map(c.arrow) else
+                      0 if c.name in ("Timestamp", "Duration") else "") for c in SPAN_COLUMNS}
+    rows = [{k: (list(v.items()) if isinstance(v, dict) else v) for k, v in {**blank, **s}.items()} for s in spans]
+    return pa.Table.from_pylist(rows, schema=pa.schema([pa.field(f.name, pa.int64() if f.name == "Timestamp" else f.type)
+                                                       for f in ARROW_SCHEMA])).cast(ARROW_SCHEMA)

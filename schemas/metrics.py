@@ -25,10 +25,33 @@ def le(seconds: float) -> str:
 
 # --- the collector's own health ---------------------------------------------------------
 COLLECTOR = "ttftscope_collector"
-SPANS_DROPPED = f"{COLLECTOR}_spans_dropped_total"
-SPANS_RECEIVED = f"{COLLECTOR}_spans_received_total"
-QUEUE_SPANS = f"{COLLECTOR}_queue_spans"
-STORE_UP = f"{COLLECTOR}_store_up"
+
+
+class Collector:
+    """The collector's own metrics, as registered (Prometheus exposes a counter as ``<name>_total``)."""
+
+    REQUESTS = f"{COLLECTOR}_requests"  # counter {code}
+    SPANS_RECEIVED = f"{COLLECTOR}_spans_received"
+    SPANS_ACCEPTED = f"{COLLECTOR}_spans_accepted"
+    SPANS_WRITTEN = f"{COLLECTOR}_spans_written"
+    SPANS_REJECTED = f"{COLLECTOR}_spans_rejected"  # counter {reason}
+    SPANS_DROPPED = f"{COLLECTOR}_spans_dropped"
+    QUEUE_SPANS = f"{COLLECTOR}_queue_spans"  # gauge
+    SPOOL_BYTES = f"{COLLECTOR}_spool_bytes"  # gauge
+    REQUESTS_OVER_BUDGET = f"{COLLECTOR}_requests_over_budget"
+    CONNECTIONS_REFUSED = f"{COLLECTOR}_connections_refused"
+    PARTS_QUARANTINED = f"{COLLECTOR}_store_parts_quarantined"  # gauge
+    STORE_UP = f"{COLLECTOR}_store_up"  # gauge
+    STORE_ERRORS = f"{COLLECTOR}_store_errors"
+    BATCH_WRITE_SECONDS = f"{COLLECTOR}_batch_write_seconds"  # histogram
+    BATCH_SPANS = f"{COLLECTOR}_batch_spans"  # histogram
+
+
+# the series rules, dashboards and tools select
+SPANS_DROPPED = f"{Collector.SPANS_DROPPED}_total"
+SPANS_RECEIVED = f"{Collector.SPANS_RECEIVED}_total"
+QUEUE_SPANS = Collector.QUEUE_SPANS
+STORE_UP = Collector.STORE_UP
 
 # --- vLLM's own (API server /metrics; labels model_name, engine) --------------------------
 VLLM_TTFT = "vllm:time_to_first_token_seconds"

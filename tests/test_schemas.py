@@ -171,3 +171,24 @@ def test_every_phase_is_derived_from_the_registry():
     overview = json.dumps(grafana.overview())
     for n in names:
         assert phases.COLOURS[n] in overview, n
+
+
+def test_a_load_test_result_is_stored_as_one_span_with_its_numbers(tmp_path):
+    """`ttftscope run` / sweep keep the benchmark's own numbers next to the traces."""
+    from ttftscope.schemas.store import open_store
+    from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
+
+    from ttftscope.sweep import record_loadtest
+
+    st = open_store(str(tmp_path / "s"))
+    lo = 1_750_000_000_000_000_000
+    record_loadtest(st, {"window_ns": (lo, lo + 30 * 10**9), "ttft_p50_ms": 16.4, "completed": 120, "report": {},
+                         "classes": {"0": {"ttft_p99_ms": 30.5}}}, {"run": "r1", "max_num_seqs": 8})
+    row = st.query("SELECT SpanName, Duration, SpanAttributes AS a, ResourceAttributes AS r, "
+                   "toUnixTimestamp64Nano(Timestamp) AS ts FROM otel_traces").row(0, named=True)
+    a, r = dict(row["a"]), dict(row["r"])
+    assert row["SpanName"] == SpanName.LOADTEST and row["ts"] == lo and row["Duration"] == 30 * 10**9
+    assert a[f"{Attr.LOADTEST}.ttft_p50_ms"] == "16.4" and a[f"{Attr.LOADTEST}.completed"] == "120"
+    assert a[f"{Attr.LOADTEST}.priority.0.ttft_p99_ms"] == "30.5"
+    assert a[f"{Attr.LOADTEST}.setting.max_num_seqs"] == "8" and r[ResourceAttr.RUN] == "r1"
+    assert not any(k.endswith(".report") for k in a)

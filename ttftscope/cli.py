@@ -524,23 +524,11 @@ def cmd_grafana(a) -> int:
     return 0
 
 
-def ui_command(store_url: str, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict]:
-    """The `streamlit run` command line and environment for the UI."""
-    from pathlib import Path
-
-    import ttftscope.dashboards.ui as ui_pkg
-
-    app = Path(ui_pkg.__file__).with_name("app.py")
-    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(port), "--server.address", host,
-           "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-           "--client.toolbarMode", "minimal"]  # no developer toolbar / Deploy button for viewers
-    return cmd, {**os.environ, "TTFTSCOPE_STORE": store_url}
-
-
 def cmd_ui(a) -> int:
     import subprocess
 
     from ttftscope.schemas.store import default_store_url
+    from ttftscope.servers import ui_command
 
     url = a.store or default_store_url()
     cmd, env = ui_command(url, a.port, a.host)

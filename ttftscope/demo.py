@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .loadgen import Profile
-from .servers import Child, collector, settle, vllm
+from .servers import Child, collector, settle, ui_command, vllm
 
 PROFILES = [
     Profile("steady", num_prompts=60, request_rate=10, input_len=256, output_len=16),
@@ -59,6 +59,7 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
     from ttftscope.analyzer import SLO, Analyzer, Window, render_text
     from ttftscope.runner import LoadError, drive
     from ttftscope.schemas.store import open_store
+    from ttftscope.schemas.vocabulary import ResourceAttr
     from ttftscope.tinymodel import build_tiny_model
 
     base = Path(workdir) if workdir else Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ttftscope"
@@ -139,14 +140,12 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
                                   time.time_ns() + 10**9, run=run), SLO())
         print("\nthe whole run (cold starts included):")
         print(render_text(whole))
-        runs = store.query("SELECT ResourceAttributes['ttftscope.run'] AS run, count() AS spans FROM otel_traces "
-                           "WHERE ResourceAttributes['ttftscope.run'] != '' GROUP BY run ORDER BY run")
+        runs = store.query(f"SELECT ResourceAttributes['{ResourceAttr.RUN}'] AS run, count() AS spans FROM otel_traces "
+                           f"WHERE ResourceAttributes['{ResourceAttr.RUN}'] != '' GROUP BY run ORDER BY run")
         print("runs in this store: " + ", ".join(f"{a} ({b:,} spans)" for a, b in runs.iter_rows()))
         if len(runs) > 1:
             print(f"  compare two runs: ttftscope compare --store {store_url} --last 7d run=A run=B")
         if ui:
-            from .cli import ui_command
-
             cmd, env = ui_command(store_url, ui_port)
             uic = Child(cmd, work / "ui.log", env=env).start()
             children.append(uic)

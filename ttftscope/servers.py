@@ -16,6 +16,8 @@ from pathlib import Path
 
 import requests
 
+from ttftscope.schemas import metrics as M
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,7 +29,7 @@ def spans_received(collector_url: str) -> float:
     """The collector's count of spans received so far (its /metrics)."""
     text = requests.get(collector_url + "/metrics", timeout=5).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("ttftscope_collector_spans_received_total"))
+               if line.startswith(M.SPANS_RECEIVED))
 
 
 def wait_spans_settled(collector_url: str, quiet_s: float = 2.0, timeout: float = 60) -> float:
@@ -154,3 +156,14 @@ def vllm(model: str, endpoint: str, run: str, workdir: Path, *, tp: int = 1, por
     url = f"http://127.0.0.1:{port}"
     c.wait_http(url + "/health", timeout, "the vLLM server")
     return c, url
+
+
+def ui_command(store_url: str, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict]:
+    """The `streamlit run` command line and environment for the UI."""
+    import ttftscope.dashboards.ui as ui_pkg
+
+    app = Path(ui_pkg.__file__).with_name("app.py")
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(port), "--server.address", host,
+           "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+           "--client.toolbarMode", "minimal"]  # no developer toolbar / Deploy button for viewers
+    return cmd, {**os.environ, "TTFTSCOPE_STORE": store_url}

@@ -45,21 +45,22 @@ def parse_grid(items: list[str]) -> list[dict]:
 
 def record_loadtest(store, res: dict, labels: dict) -> None:
     """Keep the benchmark's own numbers next to the traces (one span per load test)."""
-    from ttftscope.collector.otlp import SpanBatchBuilder
-    from ttftscope.schemas.vocabulary import ResourceAttr, SpanName
+    from ttftscope.schemas.columns import spans_table
+    from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
     lo, hi = res["window_ns"]
-    b = SpanBatchBuilder(now_ns=hi)
-    attrs = {f"ttftscope.loadtest.{k}": str(v) for k, v in res.items() if isinstance(v, (int, float, str)) and k != "report"}
+    key = Attr.LOADTEST
+    attrs = {f"{key}.{k}": str(v) for k, v in res.items() if isinstance(v, (int, float, str)) and k != "report"}
     for cls, r in res.get("classes", {}).items():
-        attrs.update({f"ttftscope.loadtest.priority.{cls}.{k}": str(v) for k, v in r.items() if isinstance(v, (int, float))})
-    attrs.update({f"ttftscope.loadtest.setting.{k}": str(v) for k, v in labels.items()})
+        attrs.update({f"{key}.priority.{cls}.{k}": str(v) for k, v in r.items() if isinstance(v, (int, float))})
+    attrs.update({f"{key}.setting.{k}": str(v) for k, v in labels.items()})
     tid = os.urandom(16).hex()
-    b.add_span(start=lo, end=hi, trace_id=tid, span_id=os.urandom(8).hex(), parent="", trace_state="",
-               name=SpanName.LOADTEST, kind="Internal", service="ttftscope", resource={ResourceAttr.SERVICE_NAME: "ttftscope",
-               ResourceAttr.RUN: labels.get("run", "")}, scope_name="ttftscope", scope_version="0.1.0", attrs=attrs,
-               status="Unset", status_msg="", events=[], links=[])
-    store.insert_spans(b.table(), f"loadtest-{tid}")
+    store.insert_spans(spans_table([{
+        "Timestamp": lo, "Duration": hi - lo, "TraceId": tid, "SpanId": os.urandom(8).hex(), "SpanName": SpanName.LOADTEST,
+        "SpanKind": "Internal", "ServiceName": "ttftscope", "ScopeName": "ttftscope", "ScopeVersion": "0.1.0",
+        "StatusCode": "Unset", "SpanAttributes": attrs,
+        "ResourceAttributes": {ResourceAttr.SERVICE_NAME: "ttftscope", ResourceAttr.RUN: labels.get("run", "")}}]),
+        f"loadtest-{tid}")
 
 
 def _wait_for_spans(store, window, expect: int, timeout: float = 20.0) -> int:
