@@ -29,14 +29,16 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_s, otlp_request, rss_mb  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support/
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 from ttftscope.collector.otlp import accept_protobuf, decode  # noqa: E402
 from ttftscope.collector.otlp_sql import warm_up  # noqa: E402
 from ttftscope.collector.pipeline import Pipeline  # noqa: E402
 from ttftscope.collector.spool import Spool  # noqa: E402
 from ttftscope.schemas.store import open_store  # noqa: E402
+
+from support.otlp import plugin_like_request as otlp_request  # noqa: E402
+from support.procs import cpu_s, rss_mb  # noqa: E402
 
 PB = {"Content-Type": "application/x-protobuf"}
 TARGET = 150_000

@@ -40,9 +40,8 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from conftest import CollectorProc, VllmServer, free_port, wait_http  # noqa: E402
-
+sys.path.insert(0, str(ROOT))
+from support.procs import CollectorProc, VllmServer, free_port, wait_http  # noqa: E402
 from ttftscope.loadgen import Profile, run_profile  # noqa: E402
 
 SINK = """

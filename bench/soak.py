@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from conftest import ClickHouseFixture, CollectorProc, free_port, ttftscope_sql  # noqa: E402
-from test_durability import Sender  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from support.otlp import Sender  # noqa: E402
+from support.procs import ClickHouseFixture, CollectorProc, free_port, ttftscope_sql  # noqa: E402
 
 
 def _hwm_mb(pid: int) -> float:

@@ -29,9 +29,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from test_client_ttft import PLANTED, STALL_MS, TOKENIZE_US_PER_TOKEN, _analyze, _drive, _served  # noqa: E402
+sys.path.insert(0, str(ROOT))
 from ttftscope.analyzer.impact import REMOVED, impact_ms  # noqa: E402
+
+from support.truth import PLANTED, STALL_MS, TOKENIZE_US_PER_TOKEN  # noqa: E402
+from support.truth import analyze as _analyze  # noqa: E402
+from support.truth import drive as _drive  # noqa: E402
+from support.truth import served as _served  # noqa: E402
 
 SCENARIOS = {  # name -> (server env, extra vLLM flags, shared-prefix traffic, the finding that names the cause)
     "stall": ({"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)}, None, False,

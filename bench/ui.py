@@ -28,11 +28,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from conftest import free_port, wait_http  # noqa: E402
-from test_ui import _chrome, wait_rendered  # noqa: E402
+sys.path.insert(0, str(ROOT))
 from ttftscope.analyzer import synth  # noqa: E402
 from ttftscope.schemas.store import open_store  # noqa: E402
+
+from support.browser import chrome as _chrome  # noqa: E402
+from support.browser import wait_rendered  # noqa: E402
+from support.procs import free_port, wait_http  # noqa: E402
 
 PAGES = ["overview", "breakdown", "requests", "gaps", "compare", "coldstart", "alerts"]
 

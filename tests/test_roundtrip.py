@@ -7,7 +7,8 @@ import math
 
 import pytest
 from conftest import ttftscope_sql
-from otel_helpers import emit_rich_spans
+
+from support.otlp import emit_rich_spans
 
 KIND = {0: "Internal", 1: "Server", 2: "Client", 3: "Producer", 4: "Consumer"}  # SDK SpanKind values
 STATUS = {"UNSET": "Unset", "OK": "Ok", "ERROR": "Error"}

@@ -15,6 +15,8 @@ from streamlit.testing.v1 import AppTest
 from ttftscope.analyzer import Analyzer, Window, synth
 from ttftscope.schemas.store import open_store
 
+from support.browser import chrome, wait_rendered
+
 APP = str(ROOT / "dashboards" / "ui" / "app.py")
 PAGES = ["views/breakdown.py", "views/requests.py", "views/gaps.py", "views/compare.py", "views/coldstart.py",
          "views/alerts.py"]
@@ -114,35 +116,6 @@ def test_malformed_sidebar_slo_is_a_message(filled, monkeypatch):
     assert any("invalid SLO item" in e.value for e in at.error)
 
 
-def _chrome():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = "/usr/bin/chromium"
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-              "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--window-size=1400,1000"):
-        opts.add_argument(a)
-    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
-
-
-def wait_rendered(driver, timeout: float = 90) -> None:
-    """Until Streamlit stops running the script and a page title is on screen."""
-    from selenium.webdriver.common.by import By
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
-        titles = driver.find_elements(By.CSS_SELECTOR, "h1")
-        if titles and not running:
-            time.sleep(0.5)
-            if not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]'):
-                return
-        time.sleep(0.25)
-    raise TimeoutError("page did not finish rendering")
-
-
 @pytest.mark.slow
 def test_every_page_in_a_real_headless_chromium(filled):
     from selenium.webdriver.common.by import By
@@ -161,7 +134,7 @@ def test_every_page_in_a_real_headless_chromium(filled):
             except requests.RequestException:
                 time.sleep(0.5)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        driver = _chrome()
+        driver = chrome()
         try:
             for path in ("overview", "breakdown", "requests", "gaps", "compare", "coldstart", "alerts", "runbook"):
                 driver.get(f"http://127.0.0.1:{port}/{path}")

@@ -142,16 +142,24 @@ def vllm_args(model: str, port: int, *, tp: int = 1, max_model_len: int = 2048, 
     return a + list(extra or [])
 
 
-def vllm(model: str, endpoint: str, run: str, workdir: Path, *, tp: int = 1, port: int | None = None,
-         timeout: float = 300, **kw) -> tuple[Child, str]:
-    port = port or free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TTFTSCOPE_ENDPOINT": endpoint, "TTFTSCOPE_RUN": run,
-           "TTFTSCOPE_ENABLED": "1"}
+def vllm_env(endpoint: str | None, run: str, *, tp: int = 1, eager: bool = False, plugin: bool = True,
+             extra: dict | None = None) -> dict:
+    """The environment of a vLLM server with the ttftscope plugin (``plugin=False``: installed, off)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TTFTSCOPE_RUN": run, "TTFTSCOPE_ENABLED": "1" if plugin else "0"}
+    if endpoint:
+        env["TTFTSCOPE_ENDPOINT"] = endpoint
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
-        if not kw.get("eager"):  # a compiled model's collectives are seen through sampled profiler windows
+        if not eager:  # a compiled model's collectives are seen through sampled profiler windows
             env.setdefault("TTFTSCOPE_PROFILE_EVERY", "8")
+    return {**env, **(extra or {})}
+
+
+def vllm(model: str, endpoint: str, run: str, workdir: Path, *, tp: int = 1, port: int | None = None,
+         timeout: float = 300, **kw) -> tuple[Child, str]:
+    port = port or free_port()
+    env = vllm_env(endpoint, run, tp=tp, eager=kw.get("eager", False))
     c = Child(vllm_args(model, port, tp=tp, **kw), workdir / f"vllm-{port}.log", env=env, cwd=str(workdir)).start()
     url = f"http://127.0.0.1:{port}"
     c.wait_http(url + "/health", timeout, "the vLLM server")

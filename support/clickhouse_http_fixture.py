@@ -9,7 +9,7 @@ query in the ``query`` parameter and/or the body, ``param_*`` bound parameters, 
 URL parameters, ``database``, INSERT data after ``FORMAT x``, lz4/zstd/gzip bodies,
 errors as status 500 with ``X-ClickHouse-Exception-Code``.
 
-Run: ``python tests/clickhouse_http_fixture.py --path DIR --port N``.
+Run: ``python support/clickhouse_http_fixture.py --path DIR --port N``.
 """
 
 from __future__ import annotations
