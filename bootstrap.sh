@@ -2,6 +2,8 @@
 # ttftscope's set-up entry point, for a fresh machine (Python >= 3.10 with venv).
 #   ./bootstrap.sh demo [ARGS]   set up, then run the main job on the embedded store
 #   ./bootstrap.sh test [ARGS]   set up, then run the linter and the test suite (what CI runs)
+#   ./bootstrap.sh fast [ARGS]   set up, then the linter and the fast tier (no vLLM server, no
+#                                browser; two pytest workers) while working
 #   ./bootstrap.sh setup         set up only (.venv with ttftscope installed, editable)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -54,5 +56,11 @@ case "$what" in
     .venv/bin/ruff check .
     echo "==> pytest"
     exec .venv/bin/python -m pytest -q "$@" ;;
-  *) echo "usage: $0 {demo|test|setup} [ARGS]" >&2; exit 2 ;;
+  fast)
+    debian_tools
+    echo "==> ruff"
+    .venv/bin/ruff check .
+    echo "==> pytest (fast tier)"
+    exec .venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadfile "$@" ;;
+  *) echo "usage: $0 {demo|test|fast|setup} [ARGS]" >&2; exit 2 ;;
 esac

@@ -92,6 +92,7 @@ def _doctor(*args, env=None):
                           timeout=180, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # imports vLLM twice in a subprocess (as a user's doctor run does)
 def test_doctor_reports_adapters_collector_and_store(collector_factory, tmp_path):
     from conftest import free_port
 
