@@ -6,8 +6,8 @@ and counts it), memory is bounded by ``max_queue``, export happens on one daemon
 with a short timeout, so a slow or dead collector costs vLLM nothing but dropped spans.
 
 ``DeferredSpans`` takes even span creation off the serving threads: a hook appends one
-tuple (about a microsecond) and the export thread encodes the tuples straight into OTLP
-protobuf (~20 us a span; an SDK span costs ~20 us to build and ~25 us more to encode).
+tuple and the export thread encodes the tuples straight into OTLP protobuf, skipping the
+SDK's span objects and its encoder (figures: README, bench/overhead).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class DeferredSpans:
     """Finished spans as plain tuples, bounded; turned into OTLP protobuf on the export thread.
 
     ``parent`` is the W3C trace headers of the request (``{"traceparent": ...}``), an
-    OpenTelemetry ``Context``, or None for a new trace. ``encode`` builds the protobuf
-    messages directly (~20 us a span, against ~45 us for an SDK span plus the SDK's
-    encoder); ``materialize`` makes SDK spans instead, for exporters that need them."""
+    OpenTelemetry ``Context``, or None for a new trace. ``encode`` writes the protobuf
+    directly (no SDK span, no SDK encoder); ``materialize`` makes SDK spans instead, for
+    exporters that need them."""
 
     def __init__(self, tracer, resource=None, *, scope: tuple[str, str] = ("ttftscope.vllm", "0.1.0"),
                  max_queue: int = 8192, max_batch: int = 512) -> None:

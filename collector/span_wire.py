@@ -1,16 +1,16 @@
-"""OTLP/HTTP for the plugin's own spans at a few microseconds each: protobuf written as bytes.
+"""OTLP/HTTP for the plugin's own spans: protobuf written as bytes.
 
-Building ``Span``/``KeyValue``/``AnyValue`` message objects costs ~70 us for a span with seven
-attributes (measured: bench/overhead and ``tests/test_plugin_export.py``); writing the same
-wire format directly, with the encoded attribute keys and span names cached, costs a fraction
-of that. The bytes are the OTLP ``ExportTraceServiceRequest`` schema exactly (checked against
-the official protobuf classes in the tests); repeated fields concatenate, so a request made of
-SDK-encoded spans and ours is the two byte strings joined.
+Building ``Span``/``KeyValue``/``AnyValue`` message objects for every span is the costly part
+of exporting from inside vLLM's processes; writing the same wire format directly, with the
+encoded attribute keys and span names cached, costs a fraction of that (figures: README,
+bench/overhead). The bytes are the OTLP ``ExportTraceServiceRequest`` schema exactly (checked
+against the official protobuf classes in the tests); repeated fields concatenate, so a request
+made of SDK-encoded spans and ours is the two byte strings joined.
 
 ``OtlpHttpPoster`` sends a serialized request with ``http.client`` on one kept-alive
-connection: the SDK's ``requests`` session costs ~1.9 ms of CPU a post (proxy lookup in the
-environment, cookies, adapters) against ~0.2 ms. It honours the standard
-``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``, ``..._COMPRESSION`` (gzip) and ``..._CERTIFICATE``.
+connection, without the per-post work of the SDK's ``requests`` session (proxy lookup in the
+environment, cookies, adapters). It honours the standard ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``,
+``..._COMPRESSION`` (gzip) and ``..._CERTIFICATE``.
 """
 
 from __future__ import annotations
