@@ -9,7 +9,7 @@ TTFT targets alone on a command line, ``p50=350,p95=600,p99=800`` (``SLO.parse``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -23,27 +23,34 @@ class SLOFileError(ValueError):
     pass
 
 
+def _key(yaml_key: str, kind: str, default=None, factory=None):
+    """A field of the SLO and where it lives in the file (``section.key``, of a kind:
+    pos, frac, dur, url, qmap, qmapmap): adding an SLO setting is this one line."""
+    meta = {"yaml": yaml_key, "kind": kind}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
 @dataclass
 class SLO:
-    ttft_targets_ms: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TARGETS_MS))
-    ttft_models: dict[str, dict[str, float]] = field(default_factory=dict)
-    ttft_priorities: dict[str, dict[str, float]] = field(default_factory=dict)
-    queue_priority_p99_ms: float = 200.0
-    queue_max_share: float = 0.5
-    cold_start_max_s: float = 90.0
-    allreduce_p99_ms: float = 50.0
-    tpot_p99_ms: float = 100.0
-    itl_p99_ms: float = 100.0
-    budget_objective: float = 0.99
-    budget_threshold_ms: float = 800.0
-    budget_window: str = "30d"
-    alert_for: str = "5m"
-    ui_url: str = "http://localhost:8501"
-    runbook_url: str = ""  # default: the UI's Runbook page, {ui_url}/runbook
-    webhook_url: str = "http://127.0.0.1:5001/alerts"
-    group_wait: str = "30s"
-    collector_max_queue_spans: int = 100_000
-    scale_out_kv_usage: float = 0.8
+    ttft_targets_ms: dict[str, float] = _key("ttft.targets_ms", "qmap", factory=lambda: dict(DEFAULT_TARGETS_MS))
+    ttft_models: dict[str, dict[str, float]] = _key("ttft.models", "qmapmap", factory=dict)
+    ttft_priorities: dict[str, dict[str, float]] = _key("ttft.priorities", "qmapmap", factory=dict)
+    queue_priority_p99_ms: float = _key("queue_wait.priority_p99_ms", "pos", 200.0)
+    queue_max_share: float = _key("queue_wait.max_share", "frac", 0.5)
+    cold_start_max_s: float = _key("cold_start.max_s", "pos", 90.0)
+    allreduce_p99_ms: float = _key("allreduce.p99_ms", "pos", 50.0)
+    tpot_p99_ms: float = _key("tpot.p99_ms", "pos", 100.0)
+    itl_p99_ms: float = _key("itl.p99_ms", "pos", 100.0)
+    budget_objective: float = _key("error_budget.objective", "frac", 0.99)
+    budget_threshold_ms: float = _key("error_budget.threshold_ms", "pos", 800.0)
+    budget_window: str = _key("error_budget.window", "dur", "30d")
+    alert_for: str = _key("alerts.for", "dur", "5m")
+    ui_url: str = _key("alerts.ui_url", "url", "http://localhost:8501")
+    runbook_url: str = _key("alerts.runbook_url", "url", "")  # default: the UI's Runbook page, {ui_url}/runbook
+    webhook_url: str = _key("alerts.webhook_url", "url", "http://127.0.0.1:5001/alerts")
+    group_wait: str = _key("alerts.group_wait", "dur", "30s")
+    collector_max_queue_spans: int = _key("collector.max_queue_spans", "pos", 100_000)
+    scale_out_kv_usage: float = _key("scale_out.kv_cache_usage", "frac", 0.8)
 
     def __post_init__(self) -> None:
         for k, v in self.ttft_targets_ms.items():
@@ -85,23 +92,16 @@ def default_spec() -> str:
     return ",".join(f"{k}={v:g}" for k, v in DEFAULT_TARGETS_MS.items())
 
 
-# key -> (kind, attribute or nested schema); kinds: num, pos, frac, str, dur, qmap, qmapmap, url
-_SCHEMA: dict = {
-    "version": ("int1", None),
-    "ttft": ("map", {"targets_ms": ("qmap", "ttft_targets_ms"), "models": ("qmapmap", "ttft_models"),
-                     "priorities": ("qmapmap", "ttft_priorities")}),
-    "queue_wait": ("map", {"priority_p99_ms": ("pos", "queue_priority_p99_ms"), "max_share": ("frac", "queue_max_share")}),
-    "cold_start": ("map", {"max_s": ("pos", "cold_start_max_s")}),
-    "allreduce": ("map", {"p99_ms": ("pos", "allreduce_p99_ms")}),
-    "tpot": ("map", {"p99_ms": ("pos", "tpot_p99_ms")}),
-    "itl": ("map", {"p99_ms": ("pos", "itl_p99_ms")}),
-    "error_budget": ("map", {"objective": ("frac", "budget_objective"), "threshold_ms": ("pos", "budget_threshold_ms"),
-                             "window": ("dur", "budget_window")}),
-    "alerts": ("map", {"for": ("dur", "alert_for"), "ui_url": ("url", "ui_url"), "runbook_url": ("url", "runbook_url"),
-                       "webhook_url": ("url", "webhook_url"), "group_wait": ("dur", "group_wait")}),
-    "collector": ("map", {"max_queue_spans": ("pos", "collector_max_queue_spans")}),
-    "scale_out": ("map", {"kv_cache_usage": ("frac", "scale_out_kv_usage")}),
-}
+def _schema() -> dict:
+    """section -> ("map", {key: (kind, attribute)}), from the fields' ``_key`` metadata."""
+    out: dict = {"version": ("int1", None)}
+    for f in fields(SLO):
+        section, key = f.metadata["yaml"].split(".")
+        out.setdefault(section, ("map", {}))[1][key] = (f.metadata["kind"], f.name)
+    return out
+
+
+_SCHEMA = _schema()
 
 
 def _err(path: str, node, msg: str) -> SLOFileError:

@@ -342,3 +342,22 @@ def test_every_slo_flag_takes_a_file_or_targets_with_one_meaning(tmp_path):
         r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--slo", bad], capture_output=True,
                            text=True, cwd=ROOT, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip(), r.stderr
+
+
+def test_the_example_slo_file_documents_every_setting_with_its_default():
+    """Every SLO field (declared once, with its place in the file) is in the example, and the
+    example's values are the defaults it says they are."""
+    import dataclasses
+
+    import yaml
+    from ttftscope.schemas.slo import SLO, load_slo
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    text = EXAMPLE.read_text()
+    loaded, default = load_slo(EXAMPLE), SLO()
+    for f in dataclasses.fields(SLO):
+        section, key = f.metadata["yaml"].split(".")
+        assert section in doc, f.name
+        assert key in (doc[section] or {}) or f"# {key}:" in text, f"{f.metadata['yaml']} is not in the example"
+        if f.metadata["kind"] != "qmapmap":
+            assert getattr(loaded, f.name) == getattr(default, f.name), f.name
