@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+from ttftscope.schemas.phases import DOMINANCE, LABELS
 from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from .compare import compare_frames, significant_shifts
@@ -39,15 +40,11 @@ def phase_dominance(ctx: Context) -> list[Finding]:
     p99 = float(df["ttft"].quantile(0.99, "linear")) / 1e6
     slo_broken = p99 > slo.ttft_targets_ms.get("p99", 1e18) or p95 > slo.ttft_targets_ms.get("p95", 1e18)
     out = []
-    names = {"queue": "queue wait", "tokenize": "tokenization", "deliver": "delivery after the first token (API server)",
-             "receive": "receiving and parsing requests (API server)",
-             "intake": "waiting for the engine loop (intake)", "load": "model loading"}
-    for phase, label in names.items():
+    for phase in DOMINANCE:
         share = tail["share"][phase]
         sev = "high" if share >= 0.5 and slo_broken else "medium" if share >= 0.3 else "low" if share >= 0.15 else None
-        kind = "queue_dominates" if phase == "queue" else f"{phase}_dominates"
-        f = _finding(kind, sev, share, "share", share,
-                     f"{label} is {share:.0%} of p99 TTFT ({tail['threshold_ms']:.0f} ms and above)",
+        f = _finding(f"{phase}_dominates", sev, share, "share", share,
+                     f"{LABELS[phase]} is {share:.0%} of p99 TTFT ({tail['threshold_ms']:.0f} ms and above)",
                      phase=phase, p99_ttft_ms=p99, p95_ttft_ms=p95, slo_broken=slo_broken,
                      **_slow(tail["slowest"]))
         if f:

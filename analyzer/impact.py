@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import polars as pl
+from ttftscope.schemas.phases import DOMINANCE, HEALTHY_NS
 
 from .slo import _Q, SLO
 
@@ -30,21 +31,21 @@ QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 _ORDER = {"high": 0, "medium": 1, "low": 2}
 
 
-#: what a phase costs on a healthy server, whatever the load: an IPC hop, a JSON parse, one
-#: event-loop turn. A fault that hits every request alike (a stalled event loop) lifts the
-#: window's own 10th percentile too; against this floor its whole size still counts.
-HEALTHY_NS = {"receive": 1_000_000, "intake": 1_000_000, "deliver": 2_000_000}
-#: tokenization on a healthy server: a thread-pool hop and the chat template, plus what a fast
-#: (Rust) tokenizer takes per prompt token (about a million tokens a second)
-TOKENIZE_FLOOR_NS, TOKENIZE_NS_PER_TOKEN = 1_000_000, 2_000
+#: on top of tokenize's healthy floor: what a fast (Rust) tokenizer takes per prompt token
+#: (about a million tokens a second)
+TOKENIZE_NS_PER_TOKEN = 2_000
 
 
 def _floor(col: str) -> pl.Expr | None:
-    if col in HEALTHY_NS:
-        return pl.lit(HEALTHY_NS[col])
+    """A phase's healthy cost whatever the load (the registry's ``healthy_ns``). A fault that
+    hits every request alike (a stalled event loop) lifts the window's own 10th percentile
+    too; against this floor its whole size still counts."""
+    if col not in HEALTHY_NS:
+        return None
+    floor = pl.lit(HEALTHY_NS[col])
     if col == "tokenize":
-        return pl.lit(TOKENIZE_FLOOR_NS) + pl.col("prompt_tokens").cast(pl.Int64).fill_null(0) * TOKENIZE_NS_PER_TOKEN
-    return None
+        floor = floor + pl.col("prompt_tokens").cast(pl.Int64).fill_null(0) * TOKENIZE_NS_PER_TOKEN
+    return floor
 
 
 def _excess(col: str, expr: pl.Expr | None = None) -> pl.Expr:
@@ -59,8 +60,7 @@ def _excess(col: str, expr: pl.Expr | None = None) -> pl.Expr:
 
 
 def _phase(col: str) -> Callable[[dict], pl.Expr]:
-    # queueing has a healthy baseline of zero; other phases keep what they cost when healthy
-    return (lambda f: pl.col(col)) if col == "queue" else (lambda f: _excess(col))
+    return lambda f: _excess(col)
 
 
 def _first_requests(f: dict) -> pl.Expr:
@@ -72,10 +72,9 @@ def _first_requests(f: dict) -> pl.Expr:
 
 #: finding kind -> the time (ns per request) its cause adds, as a polars expression
 REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
-    **{f"{p}_dominates": _phase(p) for p in ("receive", "tokenize", "intake", "load")},
+    **{f"{p}_dominates": _phase(p) for p in DOMINANCE},
     # a non-streaming response's generation after the first token is not the delivery path
     "deliver_dominates": lambda f: _excess("deliver", pl.col("deliver") - pl.col("deliver_generation")),
-    "queue_dominates": _phase("queue"),
     "chunk_wait": lambda f: pl.col("gap_chunk_wait"),
     "host_gap": lambda f: pl.col("gap_host"),
     "tokenizer_long_prompts": lambda f: _excess("tokenize"),

@@ -2,9 +2,11 @@
 
 A phase has a name (the value in spans, columns and metric labels), a label and a colour for
 people, the span names that carry it (ours and vLLM's), its priority where phase spans
-overlap in the per-request sweep, and where a gap next to it belongs. The decomposition, the
-critical path, the collector's phase metrics, Grafana and the UI all read this table; adding
-a phase is one :class:`PhaseSpec` here (plus the plugin hook that emits its span).
+overlap in the per-request sweep, where a gap next to it belongs, whether its share of the
+tail is a finding, and its healthy cost (the floor of its impact baseline). The
+decomposition, the critical path, the collector's phase metrics, the findings and their
+impact, Grafana and the UI all read this table; adding a phase is one :class:`PhaseSpec` here
+(plus the plugin hook that emits its span).
 
 A span's phase is its ``ttftscope.phase`` attribute when set (other instrumentations can
 label their spans without ttftscope knowing their names), else the phase its name maps to.
@@ -32,6 +34,12 @@ class PhaseSpec:
     vllm_spans: tuple[str, ...] = ()  # vLLM's own span names
     #: a gap next to this phase is on the host before the engine has the request
     host_side: bool = False
+    #: a large share of the tail's TTFT in this phase is a finding (``<name>_dominates``; not
+    #: for compute: prefill and allreduce have their own detectors)
+    dominance: bool = False
+    #: what the phase costs on a healthy server whatever the load (an IPC hop, a JSON parse, one
+    #: event-loop turn), the floor of the impact baseline; None: the window's 10th percentile
+    healthy_ns: int | None = None
 
 
 #: vLLM's start-up spans (``vllm.tracing.instrument`` in 0.32) that are loading work
@@ -42,21 +50,24 @@ _VLLM_LOAD = ("Load model", "Load weights", "Initialize model", "Loading (CPU)",
 #: In report order (the order of the decomposition's columns, legends and stacked bars).
 REGISTRY: tuple[PhaseSpec, ...] = (
     PhaseSpec("load", "model loading", "#8c564b", "weights to device, KV-cache allocation, warm-up, graph capture",
-              sweep=2, spans=(SpanName.LOAD,), vllm_spans=_VLLM_LOAD),
-    PhaseSpec("receive", "HTTP receive", "#bcbd22", "API server: HTTP receive, body parse, middleware, routing",
-              sweep=7, spans=(SpanName.RECEIVE,), host_side=True),
-    PhaseSpec("tokenize", "tokenize", "#17becf", "chat template and tokenizer in the API server",
-              sweep=3, spans=(SpanName.TOKENIZE,), host_side=True),
-    PhaseSpec("intake", "engine intake", "#e377c2", "API server -> engine core: IPC, then waiting for the busy engine loop",
-              sweep=6, spans=(SpanName.INTAKE,), host_side=True),
-    PhaseSpec("queue", "queue", "#ff7f0e", "engine core: queued -> first scheduled", sweep=5, spans=(SpanName.QUEUE,)),
+              sweep=2, spans=(SpanName.LOAD,), vllm_spans=_VLLM_LOAD, dominance=True),
+    PhaseSpec("receive", "receiving and parsing requests (API server)", "#bcbd22",
+              "API server: HTTP receive, body parse, middleware, routing",
+              sweep=7, spans=(SpanName.RECEIVE,), host_side=True, dominance=True, healthy_ns=1_000_000),
+    PhaseSpec("tokenize", "tokenization", "#17becf", "chat template and tokenizer in the API server",
+              sweep=3, spans=(SpanName.TOKENIZE,), host_side=True, dominance=True, healthy_ns=1_000_000),
+    PhaseSpec("intake", "waiting for the engine loop (intake)", "#e377c2",
+              "API server -> engine core: IPC, then waiting for the busy engine loop",
+              sweep=6, spans=(SpanName.INTAKE,), host_side=True, dominance=True, healthy_ns=1_000_000),
+    PhaseSpec("queue", "queue wait", "#ff7f0e", "engine core: queued -> first scheduled", sweep=5,
+              spans=(SpanName.QUEUE,), dominance=True, healthy_ns=0),
     PhaseSpec("prefill", "prefill", "#1f77b4", "forward passes over the prompt (one span per chunk)",
               sweep=1, spans=(SpanName.PREFILL,)),
     PhaseSpec("allreduce", "allreduce", "#9467bd", "tensor-parallel collectives inside prefill",
               spans=(SpanName.ALLREDUCE, SpanName.ALLREDUCE_CALL)),
-    PhaseSpec("deliver", "deliver", "#2ca02c",
+    PhaseSpec("deliver", "delivery after the first token (API server)", "#2ca02c",
               "first token produced -> output processing, detokenize, serialise, bytes written",
-              sweep=4, spans=(SpanName.DELIVER, SpanName.OUTPUT)),
+              sweep=4, spans=(SpanName.DELIVER, SpanName.OUTPUT), dominance=True, healthy_ns=2_000_000),
     PhaseSpec("gap", "gap", "#d3d3d3", "time inside TTFT no phase covers"),
 )
 SPECS: dict[str, PhaseSpec] = {p.name: p for p in REGISTRY}
@@ -74,6 +85,9 @@ SWEPT: tuple[PhaseSpec, ...] = tuple(sorted((p for p in REGISTRY if p.sweep is n
 GAP_SWEEP = 99  # the sweep priority of time no phase span covers
 COLOURS: dict[str, str] = {p.name: p.colour for p in REGISTRY} | {"": "#7f7f7f"}
 LABELS: dict[str, str] = {p.name: p.label for p in REGISTRY}
+#: phases whose share of the tail is a finding of its own, and their healthy floors
+DOMINANCE: tuple[str, ...] = tuple(p.name for p in REGISTRY if p.dominance)
+HEALTHY_NS: dict[str, int] = {p.name: p.healthy_ns for p in REGISTRY if p.healthy_ns is not None}
 
 OWN_SPAN_PHASE: dict[str, str] = {s: p.name for p in REGISTRY for s in p.spans}
 VLLM_SPAN_PHASE: dict[str, str] = {s: p.name for p in REGISTRY for s in p.vllm_spans}
