@@ -35,6 +35,12 @@ def name_native_thread(name: str) -> None:
         pass
 
 
+#: the export thread gives the GIL away after encoding this many spans (about a millisecond):
+#: vLLM's engine loop, waiting for the GIL behind it, would otherwise wait for CPython's switch
+#: interval (5 ms) each time (bench/export_stall.py). 0: never.
+YIELD_EVERY = 32
+
+
 class DeferredSpans:
     """Finished spans as plain tuples, bounded; turned into OTLP protobuf on the export thread.
 
@@ -83,7 +89,10 @@ class DeferredSpans:
             self._resource_attrs = dict(self.resource.attributes) if self.resource is not None else {}
         spans = []
         getrandbits = random.getrandbits
-        for name, start_s, end_s, attrs, parent in records:
+        every = YIELD_EVERY
+        for i, (name, start_s, end_s, attrs, parent) in enumerate(records):
+            if every and i and not i % every:
+                time.sleep(0)  # let a serving thread that waits for the GIL have it now, not in 5 ms
             tid, pid, state = None, b"", ""
             if isinstance(parent, Context):  # a Context is a dict too: check it first
                 sc = trace.get_current_span(parent).get_span_context()
@@ -175,7 +184,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if sdk_spans:
             from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-            body = encode_spans(sdk_spans).SerializeToString()
+            # in slices, giving the GIL away between them (see YIELD_EVERY); serialized
+            # requests concatenate into one request
+            step = YIELD_EVERY or len(sdk_spans)
+            parts = []
+            for i in range(0, len(sdk_spans), step):
+                if i:
+                    time.sleep(0)
+                parts.append(encode_spans(sdk_spans[i:i + step]).SerializeToString())
+            body = b"".join(parts)
         if records:  # repeated fields concatenate: our ResourceSpans joins the SDK's request
             from .span_wire import request_entry
 

@@ -182,3 +182,30 @@ def test_poster_never_sends_a_request_twice_after_a_timeout():
         assert p.export(b"") and len(seen) == 3, "a fresh connection, the request sent once"
     finally:
         srv.shutdown()
+
+
+def test_batches_encoded_in_slices_arrive_whole(collector_factory):
+    """The export thread encodes in slices (giving the GIL away between them, so vLLM's
+    engine loop does not wait 5 ms behind it): a batch of many slices of SDK spans (vLLM's
+    own) and deferred spans (ours) is still one request, every span exactly once."""
+    from ttftscope.collector import otel_setup
+
+    col = collector_factory().start()
+    resource = Resource.create({"service.name": "sliced"})
+    provider = TracerProvider(resource=resource)
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=5), interval_s=60,
+                                     poster=OtlpHttpPoster(col.url + "/v1/traces", timeout=5))
+    provider.add_span_processor(proc)
+    tracer = provider.get_tracer("t")
+    deferred = DeferredSpans(tracer, resource)
+    proc.add_source(deferred)
+    n = 5 * otel_setup.YIELD_EVERY + 3
+    for i in range(n):
+        tracer.start_span("sdk", attributes={"i": i}).end()
+        deferred.add("ours", 1_700_000_000.0 + i, 1_700_000_000.5 + i, {"i": i})
+    assert proc.force_flush() and proc.exported == 2 * n and proc.failed == 0
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    rows = ttftscope_sql(col.store, "SELECT SpanName AS name, count() AS n, uniqExact(SpanAttributes['i']) AS u, "
+                                    "uniqExact(SpanId) AS ids FROM otel_traces WHERE ServiceName = 'sliced' GROUP BY name")
+    assert {r["name"]: (int(r["n"]), int(r["u"]), int(r["ids"])) for r in rows} == {"sdk": (n, n, n), "ours": (n, n, n)}

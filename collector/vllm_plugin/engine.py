@@ -35,18 +35,9 @@ class Chunk:
     prefix_hash: str
 
 
-@dataclass(slots=True)
-class PendingStep:
-    """What schedule() decided, until update_from_output() closes the step."""
-
-    step: int
-    t0: float
-    t1: float
-    chunks: list[Chunk]
-    batch: int
-    running: int
-    waiting: int
-    total_tokens: int
+#: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
+#: (step, t0, t1, chunks, batch, running, waiting, total scheduled tokens)
+PendingStep = tuple
 
 
 @dataclass(slots=True)
@@ -60,17 +51,20 @@ class DecodeRun:
     running: int
     first: int
     last: int
-    anatomy: list[float]  # schedule, execute, update, idle (seconds, summed)
+    schedule: float  # anatomy, seconds summed over the run
+    execute: float
+    update: float
+    idle: float
 
 
 @dataclass
 class EngineState:
     step: int = 0
     queued: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    pending: OrderedDict[int, PendingStep] = field(default_factory=OrderedDict)
+    pending: dict[int, PendingStep] = field(default_factory=dict)
     chunks: dict[str, int] = field(default_factory=dict)
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # queued, decode_run: other threads touch them
     decode_run: DecodeRun | None = None
     last_end: float = 0.0  # when the previous step's update_from_output returned
 
@@ -197,18 +191,30 @@ def _cached_tokens(req, before: int, index: int) -> int:
 
 @guard("schedule")
 def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
-    with st.lock:
-        st.step += 1
-        step = st.step
+    """Runs on the engine loop every step: a decode-only step (no new request, no prefill in
+    progress) costs a counter, a tuple and a dict entry; everything else waits for requests."""
+    st.step = step = st.step + 1
     try:
-        object.__setattr__(out, "_ttftscope_step", step)
+        object.__setattr__(out, "_ttftscope_step", step)  # travels with the output to the workers
     except Exception:  # noqa: BLE001
         pass
+    new = out.scheduled_new_reqs
+    chunks = _chunks(st, sched, out, t0) if new or st.chunks else ()
+    pending = st.pending
+    pending[id(out)] = (step, t0, t1, chunks, len(out.num_scheduled_tokens), len(sched.running), len(sched.waiting),
+                        out.total_num_scheduled_tokens)
+    if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
+        del pending[next(iter(pending))]
+
+
+def _chunks(st: EngineState, sched, out, t0: float) -> list[Chunk]:
+    """The prefill chunks of this step, and the queue spans of requests scheduled for the
+    first time. Only a new request, or one whose prefill is still in progress (in
+    ``st.chunks``), can compute prompt tokens: no Python per running request."""
     chunks = []
     ns = out.num_scheduled_tokens
-    # only a request scheduled for the first time, or one whose prefill is still in progress
-    # (in st.chunks), can compute prompt tokens: a decode step costs no Python per running request
-    for req_id in dict.fromkeys([*(nr.req_id for nr in out.scheduled_new_reqs or ()), *st.chunks]):
+    new = out.scheduled_new_reqs or ()
+    for req_id in dict.fromkeys([*(nr.req_id for nr in new), *st.chunks]):
         n = ns.get(req_id)
         req = sched.requests.get(req_id)
         if req is None:
@@ -226,23 +232,19 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
                 if toks is not None and len(toks) >= 64:
                     phash = format(hash(tuple(toks[:64])) & 0xFFFFFFFFFFFF, "x")  # same process, same hash seed
             chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers, ext_id(req), phash))
-    for nr in out.scheduled_new_reqs or []:
+    for nr in new:
         req = sched.requests.get(nr.req_id)
         with st.lock:
             q = st.queued.pop(nr.req_id, None)
         if q is not None and req is not None:
             span(SpanName.QUEUE, q, t0, {Attr.REQUEST_ID: ext_id(req), Attr.PHASE: Phase.QUEUE.value,
                                          Attr.PRIORITY: str(req.priority)}, req.trace_headers)
-    with st.lock:
-        st.pending[id(out)] = PendingStep(step, t0, t1, chunks, len(out.num_scheduled_tokens), len(sched.running),
-                                          len(sched.waiting), out.total_num_scheduled_tokens)
-        while len(st.pending) > 64:
-            st.pending.popitem(last=False)
+    return chunks
 
 
-def _anatomy_attrs(a: list[float]) -> dict:
-    return {Attr.STEP_SCHEDULE_NS: int(a[0] * 1e9), Attr.STEP_EXECUTE_NS: int(a[1] * 1e9),
-            Attr.STEP_UPDATE_NS: int(a[2] * 1e9), Attr.STEP_IDLE_NS: int(a[3] * 1e9)}
+def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float) -> dict:
+    return {Attr.STEP_SCHEDULE_NS: int(schedule * 1e9), Attr.STEP_EXECUTE_NS: int(execute * 1e9),
+            Attr.STEP_UPDATE_NS: int(update * 1e9), Attr.STEP_IDLE_NS: int(idle * 1e9)}
 
 
 @guard("step")
@@ -251,46 +253,56 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
     its anatomy is schedule [t0, t1], execute [t1, t_u0] (the workers, and with async
     scheduling the wait for them), update [t_u0, t_u1], and the idle time since the
     previous step closed."""
-    with st.lock:
-        p = st.pending.pop(id(out), None)
-        prev_end, st.last_end = st.last_end, t_u1
+    p = st.pending.pop(id(out), None)
+    prev_end, st.last_end = st.last_end, t_u1
     if p is None:
         return
-    anatomy = [p.t1 - p.t0, max(t_u0 - p.t1, 0.0), t_u1 - t_u0, max(p.t0 - prev_end, 0.0) if prev_end else 0.0]
-    prefill_tokens = sum(c.tokens for c in p.chunks)
-    for c in p.chunks:
-        attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: Phase.PREFILL.value, Attr.STEP: p.step, Attr.CHUNK: c.index,
-                 Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached, Attr.BATCH_SIZE: p.batch,
-                 Attr.ENGINE: st.engine}
-        if c.prefix_hash:
-            attrs[Attr.PREFIX_HASH] = c.prefix_hash
-        span(SpanName.PREFILL, p.t1, t_u0, attrs, c.trace_headers)
-        req = sched.requests.get(c.req_id)
-        if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
-            st.chunks.pop(c.req_id, None)
-    if not p.total_tokens:
+    step, t0, t1, chunks, batch, running, waiting, total = p
+    sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
+    idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
+    if not total:
         return
-    decode = max(p.total_tokens - prefill_tokens, 0)
-    if prefill_tokens == 0 and p.waiting == 0:
+    if not chunks and not waiting:
         # decode-only steps with nobody waiting cannot delay a first token: merge runs of them
         # into one span (the timeline stays continuous at a fraction of the cost)
         with st.lock:
             r = st.decode_run
             if r is None:
-                st.decode_run = r = DecodeRun(p.t0, t_u1, 1, decode, p.running, p.step, p.step, anatomy)
-            else:
-                r.end, r.steps, r.decode_tokens, r.running, r.last = (t_u1, r.steps + 1, r.decode_tokens + decode,
-                                                                       max(r.running, p.running), p.step)
-                r.anatomy = [x + y for x, y in zip(r.anatomy, anatomy, strict=True)]
+                st.decode_run = DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s, idle_s)
+                return
+            r.end, r.last, r.steps, r.decode_tokens = t_u1, step, r.steps + 1, r.decode_tokens + total
+            if running > r.running:
+                r.running = running
+            r.schedule += sched_s
+            r.execute += exec_s
+            r.update += upd_s
+            r.idle += idle_s
             full = r.steps >= 512 or t_u1 - r.start > 1.0
         if full:
             flush_decode_run(st)
         return
+    _close_step(st, sched, p, t_u0, t_u1, (sched_s, exec_s, upd_s, idle_s))
+
+
+def _close_step(st: EngineState, sched, p: PendingStep, t_u0: float, t_u1: float, anatomy: tuple) -> None:
+    """A step with prefill chunks or requests waiting: its chunks' spans and its own."""
+    step, t0, t1, chunks, batch, running, waiting, total = p
+    prefill_tokens = sum(c.tokens for c in chunks)
+    for c in chunks:
+        attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: Phase.PREFILL.value, Attr.STEP: step, Attr.CHUNK: c.index,
+                 Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached, Attr.BATCH_SIZE: batch,
+                 Attr.ENGINE: st.engine}
+        if c.prefix_hash:
+            attrs[Attr.PREFIX_HASH] = c.prefix_hash
+        span(SpanName.PREFILL, t1, t_u0, attrs, c.trace_headers)
+        req = sched.requests.get(c.req_id)
+        if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
+            st.chunks.pop(c.req_id, None)
     flush_decode_run(st)
-    span(SpanName.STEP, p.t0, t_u1, {
-        Attr.STEP: p.step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: decode,
-        Attr.RUNNING: p.running, Attr.WAITING: p.waiting, Attr.BATCH_SIZE: p.batch, Attr.ENGINE: st.engine,
-        **_anatomy_attrs(anatomy)})
+    span(SpanName.STEP, t0, t_u1, {
+        Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0),
+        Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine,
+        **_anatomy_attrs(*anatomy)})
 
 
 def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
@@ -302,4 +314,4 @@ def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
     span(SpanName.STEP, r.start, r.end, {
         Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
         Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: 0, Attr.ENGINE: st.engine,
-        **_anatomy_attrs(r.anatomy)})
+        **_anatomy_attrs(r.schedule, r.execute, r.update, r.idle)})
