@@ -63,6 +63,13 @@ class Context:
     steps: dict = field(default_factory=dict)  # steps.step_anatomy()
 
     @cached_property
+    def prefill_steps(self) -> pl.DataFrame:
+        """steps.prefill_steps(): the steps that computed prompt tokens (queried on first use)."""
+        from .steps import prefill_steps
+
+        return prefill_steps(self.store, self.window)
+
+    @cached_property
     def total_ttft_ms(self) -> float | None:
         return float(self.df["ttft"].sum()) / 1e6 if self.df.height else None
 
@@ -81,7 +88,7 @@ def detector(name: str) -> Callable[[Detector], Detector]:
 
 def run_detectors(ctx: Context, only: list[str] | None = None) -> list[Finding]:
     """Every registered detector (or ``only`` those) over ``ctx``; findings unranked."""
-    from . import bottlenecks, engine_host  # noqa: F401 - detector modules register themselves
+    from . import bottlenecks, chunking, engine_host  # noqa: F401 - detector modules register themselves
 
     out: list[Finding] = []
     for name, fn in DETECTORS.items():

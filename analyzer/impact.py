@@ -25,6 +25,7 @@ from collections.abc import Callable
 import polars as pl
 from ttftscope.schemas.phases import DOMINANCE, HEALTHY_NS
 
+from .chunking import chunked_excess
 from .slo import _Q, SLO
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
@@ -76,6 +77,7 @@ REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     # a non-streaming response's generation after the first token is not the delivery path
     "deliver_dominates": lambda f: _excess("deliver", pl.col("deliver") - pl.col("deliver_generation")),
     "chunk_wait": lambda f: pl.col("gap_chunk_wait"),
+    "chunk_budget": lambda f: chunked_excess(f["evidence"]["a_ns"], f["evidence"]["b_ns"]),
     "host_gap": lambda f: pl.col("gap_host"),
     "tokenizer_long_prompts": lambda f: _excess("tokenize"),
     "allreduce_concurrency": lambda f: _excess("allreduce"),

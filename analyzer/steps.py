@@ -10,6 +10,7 @@ CPU model) waits on Python.
 
 from __future__ import annotations
 
+import polars as pl
 from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from .window import Window
@@ -44,3 +45,15 @@ def step_anatomy(store, window: Window) -> dict:
         out["all"] = {"steps": steps, **{f"{p}_us_per_step": tot[p] / steps for p in _PARTS},
                       "host_share": (tot["schedule"] + tot["update"]) / busy if busy else 0.0}
     return out
+
+
+def prefill_steps(store, window: Window) -> pl.DataFrame:
+    """One row per engine step that computed prompt tokens: its duration (schedule start ->
+    update end, ns), its execute time, and the prompt and decode tokens it computed."""
+    a = lambda k: f"toUInt64OrZero(SpanAttributes['{k}'])"  # noqa: E731
+    return store.query(f"""
+        SELECT toInt64(Duration) AS dur_ns, toInt64({a(Attr.STEP_EXECUTE_NS)}) AS execute_ns,
+               toInt64({a(Attr.STEP_PREFILL_TOKENS)}) AS prefill_tokens, toInt64({a(Attr.STEP_DECODE_TOKENS)}) AS decode_tokens
+        FROM otel_traces
+        WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND {a(Attr.STEP_PREFILL_TOKENS)} > 0""",
+                       window.params())

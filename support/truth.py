@@ -76,6 +76,21 @@ def drive(srv: VllmServer, shared: bool = False) -> list[dict]:
     return out
 
 
+def drive_long(srv: VllmServer, words: int = 900, n: int = 16) -> list[dict]:
+    """Long prompts (``words`` words, about as many tokens), one at a time, streaming: the load
+    of the prefill-budget scenario (compare a small and a large ``--max-num-batched-tokens``)."""
+    srv.completion("warm up", 2)
+    for stream in (True, False):
+        client_ttft(srv.port, srv.model, "warm up the client", stream)
+    client_ttft(srv.port, srv.model, prompt_of(words, 5), True)  # a long one too: its first compile
+    out = []
+    for i in range(n):
+        t, rid = client_ttft(srv.port, srv.model, prompt_of(words, 700 + i), True)
+        out.append({"rid": rid, "client_ms": t * 1e3, "stream": True})
+        time.sleep(0.05)
+    return out
+
+
 def drive_busy(srv: VllmServer) -> list[dict]:
     """Measured requests at random moments while two other clients keep the engine decoding."""
     srv.completion("warm up", 2)
