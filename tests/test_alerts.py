@@ -361,3 +361,25 @@ def test_the_example_slo_file_documents_every_setting_with_its_default():
         assert key in (doc[section] or {}) or f"# {key}:" in text, f"{f.metadata['yaml']} is not in the example"
         if f.metadata["kind"] != "qmapmap":
             assert getattr(loaded, f.name) == getattr(default, f.name), f.name
+
+
+def test_rule_templating_follows_the_slo():
+    """Unit level: each target becomes its own threshold, overridden models are excluded from
+    the fleet-wide rule (label values escaped for PromQL), and the burn rate counts errors at
+    the bucket edge at or below the budget threshold (a histogram can only be cut at an edge)."""
+    from ttftscope.alerts.rules import alert_defs
+    from ttftscope.schemas.slo import SLO
+
+    slo = SLO(ttft_targets_ms={"p50": 300.0, "p99": 900.0}, ttft_models={'we"ird': {"p99": 1200.0}},
+              ttft_priorities={"0": {"p99": 400.0}}, budget_threshold_ms=700.0, budget_objective=0.995)
+    defs = {d.name: d for d in alert_defs(slo)}
+    fleet = defs["TTFTP99AboveTarget"].expr
+    assert fleet.endswith("> 0.9") and 'model!~"we\\"ird"' in fleet and "histogram_quantile(0.99," in fleet
+    assert defs["TTFTP50AboveTarget"].expr.endswith("> 0.3") and defs["TTFTP50AboveTarget"].severity == "critical"
+    assert "TTFTP95AboveTarget" not in defs, "a quantile without a target has no rule"
+    model = defs["TTFTP99AboveTargetModel"].expr
+    assert 'model="we\\"ird"' in model and model.endswith("> 1.2")
+    assert 'priority="0"' in defs["TTFTP99AboveTargetPriority"].expr
+    burn = defs["TTFTErrorBudgetBurnFast"]
+    assert "> 0.072 and" in burn.expr  # 14.4 x (1 - 0.995)
+    assert "took longer than 600 ms" in burn.description  # 700 ms falls between the 600 and 750 ms edges
