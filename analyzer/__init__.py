@@ -4,8 +4,8 @@
     report = Analyzer(store).analyze(Window.last(3600))
 
 decompose (TTFT split per request, exact) · gaps · steps (engine step anatomy) · findings
-(the Finding type, the DETECTORS registry, the shared Context) · bottlenecks and engine_host
-(detectors) · impact (what each finding costs in ms, severity against the SLO) · coldstart
+(the Finding type, the DETECTORS registry, the shared Context) · bottlenecks, engine_host and
+chunking (detectors) · impact (what each finding costs in ms, severity against the SLO) · coldstart
 · critical_path · compare (Mann-Whitney per phase, change points) · advise · slo · export
 (Perfetto) · requests (per-request views for the UI) · synth (synthetic workloads with
 planted causes, for scale and unit tests).
