@@ -80,7 +80,7 @@ class PhaseMetrics:
             "seconds": t.column("Duration").to_numpy().astype(float) / 1e9,
             "model": model.to_numpy(zero_copy_only=False),
             "priority": _lookup(sa, Attr.PRIORITY).to_numpy(zero_copy_only=False),
-        }).with_columns(pl.when(pl.col("label") != "").then(pl.col("label"))
+        }).with_columns(pl.when(pl.col("label").is_in(SPAN_PHASES)).then(pl.col("label"))  # a label we know
                         .otherwise(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="")).alias("phase"))
 
         def only(name: str, **keys: tuple[str, str]) -> pl.DataFrame:

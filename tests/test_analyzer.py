@@ -363,3 +363,11 @@ def test_a_span_labelled_with_its_phase_counts_as_that_phase(tmp_path):
     def tokenize_count(m: PhaseMetrics) -> int:
         return sum(int(c[0].sum()) for k, c in m.phase.data.items() if k[0] == "tokenize")
     assert tokenize_count(m_theirs) == tokenize_count(m_ours) == 300
+    # a label that is no phase does not become a metric label (label values stay bounded): the
+    # span keeps the phase of its name
+    odd = next(t for t in tables if SpanName.QUEUE in t.column("SpanName").to_pylist())
+    attrs = [[*a, (Attr.PHASE, "whatever")] for a in odd.column("SpanAttributes").to_pylist()]
+    m_odd = PhaseMetrics(CollectorRegistry())
+    m_odd.observe(odd.set_column(odd.schema.get_field_index("SpanAttributes"), "SpanAttributes",
+                                 pa.array(attrs, odd.schema.field("SpanAttributes").type)))
+    assert {k[0] for k in m_odd.phase.data} == {"queue"}
