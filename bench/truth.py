@@ -8,6 +8,8 @@ test-only vLLM plugin in tests/planted, or a flag:
   stall    the API server's event loop blocked 25 ms after every output batch (deliver_dominates)
   slowtok  the tokenizer 1 ms slower per prompt token (tokenize_dominates)
   nocache  --no-enable-prefix-caching under shared-prefix traffic (prefix_cache_misses)
+  budget   900-token prompts at --max-num-batched-tokens 64, against the same prompts at 2048
+           (its own baseline, not the clean run) (chunk_budget)
 
 and reports, over all trials: top-1 accuracy (the first finding is the planted cause), the
 impact error (|impact p50 - measured effect| / measured effect, where the measured effect
@@ -32,17 +34,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from ttftscope.analyzer.impact import REMOVED, impact_ms  # noqa: E402
 
-from support.truth import PLANTED, STALL_MS, TOKENIZE_US_PER_TOKEN  # noqa: E402
+from support.truth import (  # noqa: E402
+    PLANTED,
+    STALL_MS,
+    TOKENIZE_US_PER_TOKEN,
+    drive_long,
+)
 from support.truth import analyze as _analyze  # noqa: E402
 from support.truth import drive as _drive  # noqa: E402
 from support.truth import served as _served  # noqa: E402
 
-SCENARIOS = {  # name -> (server env, extra vLLM flags, shared-prefix traffic, the finding that names the cause)
-    "stall": ({"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)}, None, False,
+SCENARIOS = {  # name -> (server env, extra vLLM flags, the load, its own baseline's flags or None for clean, finding)
+    "stall": ({"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)}, None, _drive, None,
               "deliver_dominates"),
-    "slowtok": ({"PYTHONPATH": str(PLANTED), "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN)}, None, False,
-                "tokenize_dominates"),
-    "nocache": ({}, ["--no-enable-prefix-caching"], True, "prefix_cache_misses"),
+    "slowtok": ({"PYTHONPATH": str(PLANTED), "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN)}, None, _drive,
+                None, "tokenize_dominates"),
+    "nocache": ({}, ["--no-enable-prefix-caching"], functools.partial(_drive, shared=True), None,
+                "prefix_cache_misses"),
+    # long prompts over a small prefill budget, against the same prompts at a large one
+    "budget": ({}, ["--max-num-batched-tokens", "64"], drive_long, ["--max-num-batched-tokens", "2048"],
+               "chunk_budget"),
 }
 
 
@@ -54,10 +65,15 @@ def trial(tmp: Path) -> dict:
     base_p50 = float(base["client_ms"].median())
     out = {"clean": {"quiet": all(f["severity"] == "low" for f in clean["findings"]),
                      "findings": [(f["severity"], f["kind"]) for f in clean["findings"]]}}
-    for name, (env, extra, shared, want) in SCENARIOS.items():
-        df, store = _served(tmp / name, name, env=env or None, extra=extra, drive=functools.partial(_drive, shared=shared))
+    for name, (env, extra, drive, own_base, want) in SCENARIOS.items():
+        p50 = base_p50
+        if own_base is not None:
+            (tmp / f"{name}-base").mkdir()
+            b, _ = _served(tmp / f"{name}-base", f"{name}-base", extra=own_base, drive=drive)
+            p50 = float(b["client_ms"].median())
+        df, store = _served(tmp / name, name, env=env or None, extra=extra, drive=drive)
         rep = _analyze(store, name)
-        effect = float(df["client_ms"].median()) - base_p50
+        effect = float(df["client_ms"].median()) - p50
         top = rep["findings"][0] if rep["findings"] else None
         mine = next((f for f in rep["findings"] if f["kind"] == want), None)
         imp = impact_ms(df, REMOVED[want](mine))[0] if mine and want in REMOVED else {}
