@@ -10,8 +10,8 @@ _ADVICE = {
                    "prompt needs fewer steps), or cap concurrent long prefills / use priority scheduling.",
                    "removes most between-chunk waits for long prompts"),
     "chunk_budget": ("Long prompts are prefilled over many steps of at most `--max-num-batched-tokens` tokens: "
-                     "raise it toward the common prompt length (vLLM's default on a GPU is 8192 for the API "
-                     "server; long prefills then stretch other requests' inter-token latency), or let only very "
+                     "raise it toward the common prompt length (long prefills then stretch other requests' "
+                     "inter-token latency), or let only very "
                      "long prompts be split (`--long-prefill-token-threshold`, `--max-num-partial-prefills`).",
                      "prefill in one step: TTFT shorter by the extra steps and the waits between them"),
     "tokenizer_long_prompts": ("Tokenization of long prompts is super-linear: run more API-server processes "
