@@ -57,6 +57,12 @@ _ADVICE = {
                          "steps, and its steps are long. Shorter steps (a smaller `--max-num-batched-tokens`), "
                          "fewer concurrent long prompts per replica, or more replicas.",
                          "intake back to the IPC cost (well under a ms)"),
+    "allreduce_dominates": ("Tensor-parallel collectives take a large share of prefill: check the interconnect "
+                            "(NVLink/P2P enabled, `NCCL_P2P_DISABLE` unset, GPUs of one TP group on one NVLink "
+                            "domain), keep vLLM's custom all-reduce on (no `--disable-custom-all-reduce`), keep CUDA "
+                            "graphs on (no `--enforce-eager`), or use a smaller `--tensor-parallel-size` with more "
+                            "replicas (`--data-parallel-size`).",
+                            "allreduce back to the interconnect's healthy cost"),
     "load_dominates": ("Requests hit model loading: warm up before taking traffic.", "no cold requests"),
     "prefix_cache_misses": ("Shared prompt prefixes are recomputed: enable prefix caching (`--enable-prefix-caching`), "
                             "and keep the shared part (system prompt) byte-identical at the start of the prompt.",
@@ -67,6 +73,14 @@ _ADVICE = {
 }
 
 
+#: queue_dominates when every seat was held while requests waited
+_SEATS = ("Requests queue because every seat is taken (running requests, typically long decodes, hold all "
+          "`--max-num-seqs` seats): raise `--max-num-seqs` if KV-cache memory allows (vLLM logs the "
+          "maximum concurrency at start-up), cap `max_tokens` of long generations, give latency-sensitive "
+          "requests a priority (`--scheduling-policy priority`), or add replicas.",
+          "the queue wait until a seat frees up removed from TTFT")
+
+
 def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
     out, seen = [], set()
     for f in findings:
@@ -74,8 +88,10 @@ def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
             continue
         seen.add(f["kind"])
         what, effect = _ADVICE[f["kind"]]
+        if f["kind"] == "queue_dominates" and f["evidence"].get("full_share", 0) >= 0.5:
+            what, effect = _SEATS
         out.append({"because": f["title"], "finding": f["kind"], "severity": f["severity"], "change": what,
-                    "expected_effect": effect, "evidence": {k: v for k, v in f["evidence"].items()
+                    "expected_effect": effect, "expected_effect_ms": f.get("impact_ms"), "evidence": {k: v for k, v in f["evidence"].items()
                                                             if k in ("request_ids", "trace_ids")}})
     # prefill/decode disaggregation: TTFT breaks its SLO while inter-token latency holds
     tpot = stats.get("tpot_ms_p99")

@@ -28,28 +28,58 @@ def _slow(tail_rows: list[dict]) -> dict:
 
 @detector("phase_dominance")
 def phase_dominance(ctx: Context) -> list[Finding]:
-    """A non-compute phase taking most of the tail's TTFT (of deliver, only the delivery
-    path: a non-streaming response's generation after its first token is not a stall)."""
+    """A non-compute phase taking a large share of TTFT: of the tail's (requests at or above
+    p99) or of every request's together (the typical request: with few requests the p99 tail
+    is one or two of them, slow for their own reason). Of deliver, only the delivery path: the
+    generation before the client has a token it can show (``deliver_generation``) is not a
+    stall."""
     df, slo = ctx.df, ctx.slo
     if "deliver_generation" in df.columns:
         df = df.with_columns(pl.col("deliver") - pl.col("deliver_generation"))
     tail = tail_attribution(df, 0.99)
     if not tail:
         return []
+    total = df.select([pl.col("ttft").sum(), *[pl.col(p).sum() for p in DOMINANCE]]).row(0, named=True)
     p95 = float(df["ttft"].quantile(0.95, "linear")) / 1e6
     p99 = float(df["ttft"].quantile(0.99, "linear")) / 1e6
     slo_broken = p99 > slo.ttft_targets_ms.get("p99", 1e18) or p95 > slo.ttft_targets_ms.get("p95", 1e18)
     out = []
     for phase in DOMINANCE:
-        share = tail["share"][phase]
+        share_tail = tail["share"][phase]
+        share_all = total[phase] / total["ttft"] if total["ttft"] else 0.0
+        share = max(share_tail, share_all)
+        where = (f"p99 TTFT ({tail['threshold_ms']:.0f} ms and above)" if share_tail >= share_all
+                 else f"TTFT across all {df.height} requests")
         sev = "high" if share >= 0.5 and slo_broken else "medium" if share >= 0.3 else "low" if share >= 0.15 else None
-        f = _finding(f"{phase}_dominates", sev, share, "share", share,
-                     f"{LABELS[phase]} is {share:.0%} of p99 TTFT ({tail['threshold_ms']:.0f} ms and above)",
-                     phase=phase, p99_ttft_ms=p99, p95_ttft_ms=p95, slo_broken=slo_broken,
-                     **_slow(tail["slowest"]))
+        title, extra = f"{LABELS[phase]} is {share:.0%} of {where}", {}
+        if phase == "queue" and sev:
+            extra = seats(ctx)
+            if extra.get("full_share", 0) >= 0.5:
+                title += (f": while requests waited, all {extra['seats']} seats (--max-num-seqs) were held by "
+                          f"running requests in {extra['full_share']:.0%} of steps")
+        f = _finding(f"{phase}_dominates", sev, share, "share", share, title,
+                     phase=phase, share_p99_tail=share_tail, share_all=share_all,
+                     p99_ttft_ms=p99, p95_ttft_ms=p95, slo_broken=slo_broken, **extra, **_slow(tail["slowest"]))
         if f:
             out.append(f)
     return out
+
+
+def seats(ctx: Context) -> dict:
+    """Of the engine steps taken while requests waited: the seats (vLLM's ``max_num_seqs``)
+    and the share of those steps in which every seat was held (queueing because running
+    requests, typically long decodes, hold the seats, not because of the token budget)."""
+    s = ctx.store.query(f"""
+        SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats, count() AS steps,
+               countIf(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats) AS full
+        FROM otel_traces
+        WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND seats > 0
+          AND toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) > 0
+        GROUP BY seats ORDER BY steps DESC LIMIT 1""", ctx.window.params())
+    if s.height == 0:
+        return {}
+    r = s.row(0, named=True)
+    return {"seats": int(r["seats"]), "steps_waiting": int(r["steps"]), "full_share": r["full"] / r["steps"]}
 
 
 @detector("chunk_waits")

@@ -78,7 +78,9 @@ WITH
   http AS (
     SELECT TraceId, argMin(toUnixTimestamp64Nano(Timestamp), Timestamp) AS h0,
            argMin(toInt64(Duration), Timestamp) AS hdur,
-           argMin({a(Attr.HTTP_STREAMING)}, Timestamp) = 'true' AS streaming
+           argMin({a(Attr.HTTP_STREAMING)}, Timestamp) = 'true' AS streaming,
+           argMin(toInt64OrZero({a(Attr.HTTP_TEXT_WAIT_NS)}), Timestamp) AS text_wait,
+           argMin(toInt64OrZero({a(Attr.HTTP_TEXT_WAIT_TOKENS)}), Timestamp) AS text_wait_tokens
     FROM otel_traces
     WHERE SpanName = {_q(SpanName.HTTP)} AND {Window.time_filter(60, 600)} AND TraceId IN (SELECT TraceId FROM reqs)
     GROUP BY TraceId
@@ -107,7 +109,7 @@ WITH
   )
 SELECT
   TraceId AS trace_id, request_id, w0 AS t0, ttft, ttft_vllm, client, streaming, coarse, prompt_tokens,
-  completion_tokens, model, version, run, priority, e2e, chunks,
+  completion_tokens, model, version, run, priority, e2e, chunks, text_wait, text_wait_tokens,
   arraySum(arrayMap((sg, q) -> if(q = {_P_PREFILL}, sg.2 - sg.1, 0), segs, segp)) AS prefill_all,
   least(prefill_all, ar_total) AS allreduce,
   prefill_all - allreduce AS prefill,
@@ -126,6 +128,8 @@ FROM (
          length(sp.iv) = 0 AS coarse,
          ifNull(h.hdur, 0) > 0 AS client,
          ifNull(h.streaming, 0) AS streaming,
+         ifNull(h.text_wait, 0) AS text_wait,
+         ifNull(h.text_wait_tokens, 0) AS text_wait_tokens,
          if(client, h.h0, r.t0) AS w0,
          r.ttft_attr AS ttft_vllm,
          if(client, h.hdur,
@@ -160,26 +164,47 @@ def decompose(store, window: Window) -> pl.DataFrame:
         pl.col("coarse").cast(pl.Boolean),
         pl.col("client").cast(pl.Boolean),
         pl.col("streaming").cast(pl.Boolean),
-        *[pl.col(c).cast(pl.Int64) for c in ["ttft", "ttft_vllm", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e"]],
+        *[pl.col(c).cast(pl.Int64) for c in ["ttft", "ttft_vllm", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e", "text_wait",
+                                              "text_wait_tokens"]],
     )
-    return df.with_columns(deliver_generation())
+    return df.with_columns(deliver_generation(decode_step_ns(store, window)))
 
 
-def deliver_generation() -> pl.Expr:
-    """Of ``deliver``, the time a non-streaming response spends generating its remaining
-    tokens (vLLM's e2e minus its TTFT): the client waits for it (its TTFT is the whole
-    response), but it is decoding, not a delivery stall; detectors of the delivery path
-    look at ``deliver - deliver_generation``."""
+def decode_step_ns(store, window: Window) -> int:
+    """The engine's mean decode-only step period in ``window`` (ns, from the step spans:
+    engine-side clocks, which a stalled API server does not stretch); 0 without step spans."""
+    r = store.query(f"""
+        SELECT sum(toInt64(Duration)) AS ns, sum(greatest(toUInt64OrZero(SpanAttributes[{_q(Attr.STEP_COUNT)}]), 1)) AS n
+        FROM otel_traces
+        WHERE SpanName = {_q(SpanName.STEP)} AND {Window.time_filter()}
+          AND toUInt64OrZero(SpanAttributes[{_q(Attr.STEP_PREFILL_TOKENS)}]) = 0
+          AND mapContains(SpanAttributes, {_q(Attr.STEP_SCHEDULE_NS)})""", window.params())
+    if r.height == 0 or not r["n"][0]:
+        return 0
+    return int(r["ns"][0] // r["n"][0])
+
+
+def deliver_generation(step_ns: int = 0) -> pl.Expr:
+    """Of ``deliver``, the time the engine spends generating more tokens before the client
+    has one it can show: a non-streaming response's remaining tokens (vLLM's e2e minus its
+    TTFT: its TTFT is the whole response), a stream's first tokens that decode to no text yet
+    (``text_wait``: the first chunk with a choice -> the first with text, each a decode step).
+    The client waits for it, but it is decoding, not a delivery stall; detectors of the
+    delivery path look at ``deliver - deliver_generation``."""
     gen = (pl.col("e2e") - pl.col("ttft_vllm")).clip(lower_bound=0)
     return (pl.when(pl.col("client") & ~pl.col("streaming") & (pl.col("e2e") > 0))
-            .then(pl.min_horizontal(gen, pl.col("deliver"))).otherwise(0).cast(pl.Int64).alias("deliver_generation"))
+            .then(pl.min_horizontal(gen, pl.col("deliver")))
+            .when(pl.col("client") & pl.col("streaming"))
+            .then(pl.min_horizontal(pl.col("text_wait"), pl.col("text_wait_tokens") * step_ns, pl.col("deliver")))
+            .otherwise(0).cast(pl.Int64).alias("deliver_generation"))
 
 
 def empty() -> pl.DataFrame:
     schema = {"trace_id": pl.Utf8, "request_id": pl.Utf8, "t0": pl.Int64, "ttft": pl.Int64, "ttft_vllm": pl.Int64,
               "client": pl.Boolean, "streaming": pl.Boolean, "coarse": pl.Boolean,
               "prompt_tokens": pl.UInt32, "completion_tokens": pl.UInt32, "model": pl.Utf8, "version": pl.Utf8,
-              "run": pl.Utf8, "priority": pl.Utf8, "e2e": pl.Int64, "chunks": pl.UInt64,
+              "run": pl.Utf8, "priority": pl.Utf8, "e2e": pl.Int64, "chunks": pl.UInt64, "text_wait": pl.Int64,
+              "text_wait_tokens": pl.Int64,
               **{c: pl.Int64 for c in PHASE_COLUMNS + GAP_COLUMNS}, "deliver_generation": pl.Int64}
     return pl.DataFrame(schema=schema)
 

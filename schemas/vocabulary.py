@@ -79,6 +79,7 @@ class Attr:
     STEP_IDLE_NS = f"{PREFIX}.step.idle_ns"
     RUNNING = f"{PREFIX}.scheduler.running"
     WAITING = f"{PREFIX}.scheduler.waiting"
+    MAX_NUM_SEQS = f"{PREFIX}.scheduler.max_num_seqs"  # the seats (vLLM's --max-num-seqs), on steps with waiting
     ENGINE = f"{PREFIX}.engine"  # which engine core a step, prefill or allreduce belongs to ("engine-<pid>")
     RANK = f"{PREFIX}.rank"
     TP_SIZE = f"{PREFIX}.tp_size"
@@ -92,6 +93,12 @@ class Attr:
     COLLECTIVE = f"{PREFIX}.collective"  # the profiler's name for a sampled collective call
     # the client's window (ttftscope.http)
     HTTP_STREAMING = f"{PREFIX}.http.streaming"  # true: SSE, TTFT ends at the first token's chunk
+    #: of an http span (streaming): ns from the first chunk that carried a token without text (a
+    #: token that decodes to nothing yet, a chat role chunk) to the first chunk with text: the
+    #: engine generating more tokens, inside deliver but not the delivery path
+    HTTP_TEXT_WAIT_NS = f"{PREFIX}.http.text_wait_ns"
+    #: of an http span (streaming): chunks with a token but no text before the first with text
+    HTTP_TEXT_WAIT_TOKENS = f"{PREFIX}.http.text_wait_tokens"
     HTTP_ROUTE = "http.route"
     HTTP_STATUS = "http.response.status_code"
     #: of a deliver span: ns from the first token produced until vLLM's output processor had it

@@ -91,8 +91,9 @@ def drive_long(srv: VllmServer, words: int = 900, n: int = 16) -> list[dict]:
     return out
 
 
-def drive_busy(srv: VllmServer) -> list[dict]:
-    """Measured requests at random moments while two other clients keep the engine decoding."""
+def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16) -> list[dict]:
+    """Measured requests at random moments while two other clients keep the engine decoding
+    (each streams ``bg_tokens``-token completions back to back)."""
     srv.completion("warm up", 2)
     for stream in (True, False):
         client_ttft(srv.port, srv.model, "warm up the client", stream)
@@ -100,7 +101,7 @@ def drive_busy(srv: VllmServer) -> list[dict]:
 
     def background() -> None:  # streaming clients (a non-streaming one's TTFT is its whole response)
         while not stop.is_set():
-            srv.stream(prompt_of(30, random.randrange(1000)), max_tokens=40)
+            srv.stream(prompt_of(30, random.randrange(1000)), max_tokens=bg_tokens)
 
     bg = [threading.Thread(target=background, daemon=True) for _ in range(2)]
     for t in bg:
@@ -109,7 +110,7 @@ def drive_busy(srv: VllmServer) -> list[dict]:
     rng = random.Random(7)
     out = []
     try:
-        for i in range(16):
+        for i in range(n):
             time.sleep(rng.uniform(0.0, 0.08))
             t, rid = client_ttft(srv.port, srv.model, prompt_of(30, 300 + i), True)
             out.append({"rid": rid, "client_ms": t * 1e3, "stream": True})
@@ -120,12 +121,12 @@ def drive_busy(srv: VllmServer) -> list[dict]:
     return out
 
 
-def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None):
+def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None, **server):
     # the collector shares the two cores with vLLM and the client: at its production flush
     # interval and a lower priority its flush queries do not land inside the requests timed here
     col = CollectorProc(str(tmp / "store"), tmp / "spool", flush_interval=2.0, nice=10).start()
     try:
-        srv = VllmServer(tmp, col.url + "/v1/traces", run=name, env=env, extra=extra).start()
+        srv = VllmServer(tmp, col.url + "/v1/traces", run=name, env=env, extra=extra, **server).start()
         try:
             seen = drive(srv)
             col.wait_quiet()
@@ -142,8 +143,10 @@ def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: li
     return joined, col.store
 
 
-def analyze(store: str, run: str) -> dict:
-    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
+def analyze(store: str, run: str, since: float | None = None, until: float | None = None) -> dict:
+    """The report on ``run`` (over the last hour, or ``since``..``until``, epoch seconds) as JSON."""
+    window = ["--last", "1h"] if since is None else ["--since", str(since), "--until", str(until or time.time())]
+    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, *window, "--json", "--quiet",
                         "--run", run, "--slo", "p50=5000,p95=10000,p99=20000"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr

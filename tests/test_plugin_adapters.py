@@ -5,6 +5,7 @@ decision reads vLLM's own config, configuration honours the OTEL_* variables, an
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 from types import SimpleNamespace
@@ -129,7 +130,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
     req = NS(request_id="cmpl-1-0-deadbeef", external_req_id="cmpl-1-0", trace_headers=tp, num_computed_tokens=0,
              num_prompt_tokens=100, prompt_token_ids=list(range(100)), priority=0, prefill_stats=None)
-    sched = NS(requests={"r1": req}, running=[1, 2, 3], waiting=[])
+    sched = NS(requests={"r1": req}, running=[1, 2, 3], waiting=[], max_num_running_reqs=256)
 
     def step(t: float, tokens: dict, new=(), waiting=0, sch=0.001, exe=0.010, upd=0.002):
         out = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r) for r in new],
@@ -158,3 +159,51 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     assert (pre[Attr.STEP], pre[Attr.CHUNK], pre[Attr.TOKENS_COMPUTED], pre[Attr.REQUEST_ID]) == (11, 0, 100, "cmpl-1-0")
     assert alone[Attr.STEP] == 11 and alone[Attr.STEP_PREFILL_TOKENS] == 100 and alone[Attr.STEP_DECODE_TOKENS] == 1
     assert waited[Attr.STEP] == 12 and waited[Attr.WAITING] == 2 and Attr.STEP_COUNT not in waited
+
+
+def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypatch):
+    """Unit level, the ASGI middleware on a small app standing in for vLLM's streaming route
+    (real vLLM drives it in test_client_ttft.py): the first chunk carries a token that decodes
+    to no text, the one with text comes 40 ms later (the next decode step). TTFT ends at the
+    chunk with text, and the http span says how long the stream waited for it."""
+    import asyncio
+    import time
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.vllm_plugin import http as H
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from ttftscope.schemas.vocabulary import Attr, SpanName
+
+    spans = []
+    monkeypatch.setattr(RT, "deferred", NS(add=lambda name, s, e, attrs, parent=None: spans.append((name, s, e, attrs))))
+    monkeypatch.setattr(H, "RDV", H.Rendezvous())
+    gap_s = 0.040
+
+    def chunk(text: str) -> bytes:
+        return b"data: " + json.dumps({"id": "cmpl-7", "choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": chunk(""), "more_body": True})
+        await asyncio.sleep(gap_s)
+        await send({"type": "http.response.body", "body": chunk("Hello"), "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"prompt": "x", "stream": true}', "more_body": False}
+
+    async def send(msg):
+        return None
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"traceparent", b"00-" + b"ab" * 16 + b"-" + b"cd" * 8 + b"-01")]}
+    t0 = time.time()
+    asyncio.run(H.ClientTTFTMiddleware(app)(scope, receive, send))
+    (http,) = [s for s in spans if s[0] == SpanName.HTTP]
+    assert http[3][Attr.REQUEST_ID] == "cmpl-7" and http[3][Attr.HTTP_STREAMING] is True
+    assert http[2] - t0 >= gap_s, "TTFT ends at the chunk with text"
+    wait_s = http[3][Attr.HTTP_TEXT_WAIT_NS] / 1e9
+    assert gap_s <= wait_s <= http[2] - http[1], (wait_s, http)
+    assert http[3][Attr.HTTP_TEXT_WAIT_TOKENS] == 1

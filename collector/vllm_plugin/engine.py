@@ -78,6 +78,7 @@ ST = EngineState()
                     Internal(_SCHED, "Scheduler.requests", "attribute"),
                     Internal(_SCHED, "Scheduler.running", "attribute"),
                     Internal(_SCHED, "Scheduler.waiting", "attribute"),
+                    Internal(_SCHED, "Scheduler.max_num_running_reqs", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens", "attribute"),
@@ -302,7 +303,7 @@ def _close_step(st: EngineState, sched, p: PendingStep, t_u0: float, t_u1: float
     span(SpanName.STEP, t0, t_u1, {
         Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0),
         Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine,
-        **_anatomy_attrs(*anatomy)})
+        Attr.MAX_NUM_SEQS: sched.max_num_running_reqs, **_anatomy_attrs(*anatomy)})
 
 
 def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:

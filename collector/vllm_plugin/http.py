@@ -88,9 +88,11 @@ def trace_id_of(traceparent: str) -> str:
     return traceparent[3:35] if len(traceparent) >= 55 else ""
 
 
-def _has_token(body: bytes) -> tuple[bool, str]:
-    """(whether an SSE body chunk carries a generated token, the response id if seen)."""
-    rid = ""
+def _has_token(body: bytes) -> tuple[bool, str, bool]:
+    """(whether an SSE body chunk carries a generated token, the response id if seen, whether
+    it carries a choice at all: vLLM sends one only once the engine produced a token, with
+    empty text when the token decodes to nothing yet)."""
+    rid, choice = "", False
     for line in body.split(b"\n"):
         if not line.startswith(b"data:"):
             continue
@@ -103,15 +105,16 @@ def _has_token(body: bytes) -> tuple[bool, str]:
             continue
         rid = rid or str(doc.get("id", ""))
         for ch in doc.get("choices") or ():
+            choice = True
             # a token that decodes to nothing still ends the wait when its choice finishes
             if ch.get("text") or ch.get("token_ids") or ch.get("finish_reason"):
-                return True, rid
+                return True, rid, True
             d = ch.get("delta") or {}
             if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
-                return True, rid
+                return True, rid, True
         if doc.get("type", "").endswith(".delta") and doc.get("delta"):  # Responses API events
-            return True, rid
-    return False, rid
+            return True, rid, True
+    return False, rid, choice
 
 
 class ClientTTFTMiddleware:
@@ -130,7 +133,8 @@ class ClientTTFTMiddleware:
         t_recv = t_recv if now - 60.0 < t_recv <= now else now
         scope, tp = _with_traceparent(scope)
         token = HTTP.set((t_recv, tp))
-        st = {"status": 0, "stream": False, "done": False, "rid": "", "priority": None}
+        st = {"status": 0, "stream": False, "done": False, "rid": "", "priority": None, "choice_at": 0.0,
+              "empty": 0}
 
         async def receive_wrapper():
             msg = await receive()
@@ -149,10 +153,10 @@ class ClientTTFTMiddleware:
             if kind != "http.response.body" or st["done"]:
                 return await send(msg)
             body = msg.get("body", b"")
-            first, more = False, msg.get("more_body", False)
+            first, choice, more = False, False, msg.get("more_body", False)
             try:
                 if st["stream"]:
-                    first, rid = _has_token(body)
+                    first, rid, choice = _has_token(body)
                     st["rid"] = st["rid"] or rid
                     first = first or not more  # no token ever (empty output): the end of the response
                 else:
@@ -168,6 +172,9 @@ class ClientTTFTMiddleware:
             # it returns may include other tasks the event loop ran first
             t_write = time.time()
             r = await send(msg)
+            if choice and not first:
+                st["choice_at"] = st["choice_at"] or t_write
+                st["empty"] += 1
             if first:
                 st["done"] = True
                 _on_first_bytes(t_recv, t_write, tp, st, scope.get("path", ""))
@@ -248,6 +255,9 @@ def _on_first_bytes(t_recv: float, t_written: float, tp: str, st: dict, path: st
              Attr.HTTP_STATUS: st["status"], Attr.REQUEST_ID: st["rid"]}
     if st["priority"]:
         attrs[Attr.PRIORITY] = st["priority"]
+    if st["choice_at"] and st["choice_at"] < t_written:
+        attrs[Attr.HTTP_TEXT_WAIT_NS] = int((t_written - st["choice_at"]) * 1e9)
+        attrs[Attr.HTTP_TEXT_WAIT_TOKENS] = st["empty"]
     span(SpanName.HTTP, t_recv, t_written, attrs, headers)
     RDV.on_written(trace_id_of(tp), t_written)
 

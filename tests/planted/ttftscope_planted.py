@@ -12,6 +12,11 @@ by environment variables, read in the process where the cause belongs:
   (engine host overhead per step).
 * ``PLANTED_TOKENIZE_US_PER_TOKEN``: the API server's tokenizer takes this much longer per
   prompt token (in vLLM's tokenizer thread pool, where a slow tokenizer would spend it).
+* ``PLANTED_ALLREDUCE_MS`` (with ``PLANTED_ALLREDUCE_FLAG``, a path): every tensor-parallel
+  all-reduce on the CPU communicator takes this much longer on every rank while the flag file
+  exists (a slow interconnect), inside the collective (under the communicator's
+  ``all_reduce``, where ttftscope times it in eager mode). The flag lets one server run
+  clean, then slowed.
 """
 
 from __future__ import annotations
@@ -54,6 +59,34 @@ def _slow_tokenizer(us_per_token: float) -> None:
     BaseRenderer._tokenize_prompt = tokenize  # bound per renderer at its __init__: patch before
 
 
+def _slow_allreduce(ms: float, flag: str) -> None:
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    orig_init = cc.CpuCommunicator.__init__
+    if getattr(orig_init, "_planted", False):
+        return
+
+    class Slowed:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def all_reduce(self, *a, **kw):
+            if os.path.exists(flag):
+                time.sleep(ms / 1000)
+            return self.inner.all_reduce(*a, **kw)
+
+    @functools.wraps(orig_init)
+    def init(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        self.dist_module = Slowed(self.dist_module)
+
+    init._planted = True
+    cc.CpuCommunicator.__init__ = init
+
+
 def register() -> None:
     execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
     update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
@@ -65,6 +98,9 @@ def register() -> None:
         from vllm.v1.core.sched import scheduler
 
         _slow(scheduler.Scheduler, "update_from_output", update)  # only the engine core calls it
+    allreduce, flag = float(os.environ.get("PLANTED_ALLREDUCE_MS", "0") or 0), os.environ.get("PLANTED_ALLREDUCE_FLAG")
+    if allreduce > 0 and flag:
+        _slow_allreduce(allreduce, flag)
     if "api_server" not in " ".join(sys.argv):
         return
     per_token = float(os.environ.get("PLANTED_TOKENIZE_US_PER_TOKEN", "0") or 0)
