@@ -91,9 +91,9 @@ def drive_long(srv: VllmServer, words: int = 900, n: int = 16) -> list[dict]:
     return out
 
 
-def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16) -> list[dict]:
-    """Measured requests at random moments while two other clients keep the engine decoding
-    (each streams ``bg_tokens``-token completions back to back)."""
+def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int = 2) -> list[dict]:
+    """Measured requests at random moments while ``clients`` other clients keep the engine
+    decoding (each streams ``bg_tokens``-token completions back to back)."""
     srv.completion("warm up", 2)
     for stream in (True, False):
         client_ttft(srv.port, srv.model, "warm up the client", stream)
@@ -103,7 +103,7 @@ def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16) -> list[dict]:
         while not stop.is_set():
             srv.stream(prompt_of(30, random.randrange(1000)), max_tokens=bg_tokens)
 
-    bg = [threading.Thread(target=background, daemon=True) for _ in range(2)]
+    bg = [threading.Thread(target=background, daemon=True) for _ in range(clients)]
     for t in bg:
         t.start()
     time.sleep(1.0)
