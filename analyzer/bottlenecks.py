@@ -221,48 +221,53 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     """Requests sharing a prompt prefix with others that got no prefix-cache hit.
 
     Only repeats whose prefill started after the prefix's first prefill had finished could
-    have hit (in a burst, the rest ran alongside it). Severity weighs the miss rate by what
-    it costs: the missed repeats' first-chunk prefill time as a share of all TTFT in the
-    window (``total_ttft_ms``), an upper bound on what caching would save."""
+    have hit (in a burst, the rest ran alongside it). How long the shared prefix is comes from
+    the chained 64-token block hashes (``ttftscope.prefix.chain``): the deepest block a request
+    shares with another; without them, the first 64 tokens (a lower bound). The finding carries
+    each missed repeat's shared tokens for its impact: that share of its prefill (chunks, their
+    collectives and the waits between them) is what a hit would have saved. Severity weighs the
+    miss rate by the missed repeats' prefill as a share of all TTFT in the window."""
     store, window, total_ttft_ms = ctx.store, ctx.window, ctx.total_ttft_ms
-    g = store.query(f"""
-        WITH SpanAttributes['{Attr.PREFIX_HASH}'] AS h,
-             toUnixTimestamp64Nano(Timestamp) AS t0
-        SELECT h, count() AS n,
-               countIf(t0 >= first_end) AS eligible,
-               countIf(t0 >= first_end AND toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) = 0) AS missed,
-               sumIf(Duration, t0 >= first_end AND toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) = 0) / 1e6
-                   AS missed_ms,
-               groupArray(5)(SpanAttributes['{Attr.REQUEST_ID}']) AS rids, groupArray(5)(TraceId) AS tids
+    f = store.query(f"""
+        SELECT TraceId AS trace_id, SpanAttributes['{Attr.REQUEST_ID}'] AS request_id,
+               toUnixTimestamp64Nano(Timestamp) AS t0, toInt64(Duration) AS dur,
+               SpanAttributes['{Attr.PREFIX_HASH}'] AS h, SpanAttributes['{Attr.PREFIX_CHAIN}'] AS chain,
+               toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) AS cached
         FROM otel_traces
-        INNER JOIN (
-            SELECT SpanAttributes['{Attr.PREFIX_HASH}'] AS fh, min(toUnixTimestamp64Nano(Timestamp) + Duration) AS first_end
-            FROM otel_traces
-            WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}
-            GROUP BY fh) AS f ON f.fh = SpanAttributes['{Attr.PREFIX_HASH}']
-        WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}
-        GROUP BY h""", window.params())
-    if g.height == 0:
+        WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}""",
+                    window.params())
+    total = f.height
+    grp = (f.filter(pl.col("h") != "")
+           .with_columns(pl.len().over("h").alias("n"), (pl.col("t0") + pl.col("dur")).min().over("h").alias("first_end"))
+           .filter(pl.col("n") >= 2))
+    eligible = grp.filter(pl.col("t0") >= pl.col("first_end"))
+    if total < 20 or grp.height < min_share * total or eligible.height == 0:
         return []
-    total = int(g["n"].sum())
-    grp = g.filter((pl.col("h") != "") & (pl.col("n") >= 2))
-    shared = int(grp["n"].sum()) if grp.height else 0
-    eligible = int(grp["eligible"].sum()) if grp.height else 0
-    if total < 20 or shared < min_share * total or eligible == 0:
-        return []
-    miss_share = int(grp["missed"].sum()) / eligible
-    missed_ms = float(grp["missed_ms"].sum())
+    missed = eligible.filter(pl.col("cached") == 0)
+    miss_share = missed.height / eligible.height
+    missed_ms = float(missed["dur"].sum()) / 1e6
     impact = missed_ms / total_ttft_ms if total_ttft_ms else miss_share
     sev = ("high" if miss_share >= 0.8 and impact >= 0.1 else "medium" if miss_share >= 0.5 and impact >= 0.03
            else None)
-    top = grp.sort("n", descending=True).head(3)
-    return [f] if (f := _finding("prefix_cache_misses", sev, miss_share, "share", impact,
-                                 f"{shared / total:.0%} of requests share a prompt prefix, yet {miss_share:.0%} of the repeats "
-                                 f"that could have hit got no prefix-cache hit (their prefill: up to {impact:.0%} of TTFT)",
-                                 shared_requests=shared, eligible_repeats=eligible, prefixes=grp.height,
-                                 missed_prefill_ms=missed_ms,
-                                 request_ids=[r for x in top["rids"].to_list() for r in x][:10],
-                                 trace_ids=[t for x in top["tids"].to_list() for t in x][:10])) else []
+    blocks = (grp.select("trace_id", pl.col("chain").str.split(",").alias("c"))
+              .with_columns(pl.int_ranges(1, pl.col("c").list.len() + 1).alias("k"))
+              .explode("c", "k").filter(pl.col("c") != ""))
+    depth = (blocks.filter(pl.len().over("c") >= 2).group_by("trace_id").agg(pl.col("k").max().alias("k")))
+    shared = (missed.select("trace_id").join(depth, on="trace_id", how="left")
+              .select("trace_id", (pl.col("k").fill_null(1) * 64).cast(pl.Int64).alias("shared_tokens")))
+    top = grp.group_by("h").agg(pl.len().alias("n"), pl.col("request_id").head(5), pl.col("trace_id").head(5)) \
+             .sort("n", descending=True).head(3)
+    out = _finding("prefix_cache_misses", sev, miss_share, "share", impact,
+                   f"{grp.height / total:.0%} of requests share a prompt prefix (about "
+                   f"{int(shared['shared_tokens'].median() or 64)} tokens), yet {miss_share:.0%} of the repeats that "
+                   f"could have hit got no prefix-cache hit (their prefill: up to {impact:.0%} of TTFT)",
+                   shared_requests=grp.height, eligible_repeats=eligible.height, prefixes=int(grp["h"].n_unique()),
+                   missed_prefill_ms=missed_ms, shared_tokens_p50=float(shared["shared_tokens"].median() or 64),
+                   request_ids=[r for x in top["request_id"].to_list() for r in x][:10],
+                   trace_ids=[t for x in top["trace_id"].to_list() for t in x][:10])
+    if out:
+        out["per_request"] = shared  # for impact.calibrate; not part of the report
+    return [out] if out else []
 
 
 @detector("scheduling_bubbles")

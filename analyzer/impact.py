@@ -82,6 +82,11 @@ REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     "tokenizer_long_prompts": lambda f: _excess("tokenize"),
     "allreduce_concurrency": lambda f: _excess("allreduce"),
     "cold_requests": _first_requests,
+    # a missed repeat's prefill (chunks, their collectives, the waits between them), the shared
+    # prefix's share of it (the detector's per-request ``shared_tokens``)
+    "prefix_cache_misses": lambda f: ((pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait"))
+                                      * (pl.col("shared_tokens") / pl.col("prompt_tokens").cast(pl.Float64))
+                                      .clip(upper_bound=1.0)).fill_null(0),
     # every step is stretched by the engine core's host share: so is each request's time in the engine
     "engine_host_overhead": lambda f: (pl.col("intake") + pl.col("queue") + pl.col("prefill") + pl.col("allreduce")
                                        + pl.col("gap_schedule") + pl.col("gap_chunk_wait")) * f["size"],
@@ -113,6 +118,8 @@ def calibrate(findings: list[dict], df: pl.DataFrame, slo: SLO) -> list[dict]:
     requests, cap its severity by that impact against the SLO, rank by impact at the SLO's
     tightest percentile."""
     if df.height == 0:
+        for f in findings:
+            f.pop("per_request", None)
         return findings
     q, target, measured = tightest(df, slo)
     qk = q if q in QUANTILES else "p99"
@@ -121,7 +128,9 @@ def calibrate(findings: list[dict], df: pl.DataFrame, slo: SLO) -> list[dict]:
         if fn is None:
             f["impact_ms"] = None
             continue
-        imp, n = impact_ms(df, fn(f))
+        per_request = f.pop("per_request", None)  # a detector's per-request numbers (by trace id)
+        d = df if per_request is None else df.join(per_request, on="trace_id", how="left")
+        imp, n = impact_ms(d, fn(f))
         f["impact_ms"], f["affected_requests"] = imp, n
         f["impact_at"] = qk
         i = imp[qk]

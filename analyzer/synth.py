@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 from ttftscope.schemas.columns import ARROW_SCHEMA, STR_MAP, TS
 from ttftscope.schemas.vocabulary import Attr, ProcessRole, ResourceAttr, SpanName
@@ -182,6 +183,18 @@ def _resource(role: str, instance: str, version: str, model: str, run: str, rank
     return r
 
 
+def _prefix_chain(phash: np.ndarray, shared_blocks: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Per request, its blocks' hashes joined by commas: the first ``shared_blocks`` named
+    after its prefix (equal across the prefix's requests), the rest unique to the request."""
+    d = pl.DataFrame({"i": np.arange(phash.size), "ph": phash, "s": shared_blocks, "nb": blocks})
+    e = d.with_columns(pl.int_ranges(0, pl.col("nb")).alias("j")).explode("j").with_columns(
+        pl.when(pl.col("j") < pl.col("s")).then(pl.col("ph")).otherwise(pl.lit("r") + pl.col("i").cast(pl.Utf8))
+        .add(pl.lit("b")).add(pl.col("j").cast(pl.Utf8)).alias("h"))
+    agg = e.filter(pl.col("j").is_not_null()).group_by("i").agg(pl.col("h").sort_by("j").str.join(",").alias("c"))
+    out = d.select("i").join(agg, on="i", how="left")  # requests without a whole block: ""
+    return out.sort("i")["c"].fill_null("").to_numpy().astype(str)
+
+
 def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_ns: int | None = None,
              run: str | None = None, params: Params | None = None) -> tuple[list[pa.Table], dict]:
     """Generate one scenario. Returns (span batches, ground truth)."""
@@ -284,6 +297,9 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     cached = np.where(shared & p.prefix_cache & (k[first_chunk] == 0), np.minimum(L, 256), 0)
     chunk_cached = np.where(k == 0, cached[cid], 0)
     chunk_hash = np.where(k == 0, phash[cid], "")
+    # the chained 64-token block hashes: a shared prefix's first 256 tokens are its blocks
+    chain = _prefix_chain(phash, np.where(shared, np.minimum(L, 256) // 64, 0), np.minimum(L // 64, 64))
+    chunk_chain = np.where(k == 0, chain[cid], "")
     engine = "engine-0"
 
     tables: list[pa.Table] = []
@@ -313,7 +329,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                              "Internal", "vllm", eng, {
                                  Attr.REQUEST_ID: req_id[cid][mc], Attr.STEP: steps[mc], Attr.CHUNK: k[mc],
                                  Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: chunk_cached[mc],
-                                 Attr.PREFIX_HASH: chunk_hash[mc],
+                                 Attr.PREFIX_HASH: chunk_hash[mc], Attr.PREFIX_CHAIN: chunk_chain[mc],
                                  Attr.BATCH_SIZE: running[mc] + 1, Attr.ENGINE: np.full(nc, engine)},
                              chunk_dur[mc]))
         tables.append(_table(nm, prefill_end[m], trace[m], sids(n, 5)[m], root[m], SpanName.OUTPUT, "Internal", "vllm", api,

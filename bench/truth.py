@@ -10,6 +10,10 @@ test-only vLLM plugin in tests/planted, or a flag:
   nocache  --no-enable-prefix-caching under shared-prefix traffic (prefix_cache_misses)
   budget   900-token prompts at --max-num-batched-tokens 64, against the same prompts at 2048
            (its own baseline, not the clean run) (chunk_budget)
+  seats    three clients keep 80-token decodes running at --max-num-seqs 2 while measured
+           requests arrive, against the same load at 128 seats (queue_dominates)
+  allreduce  TP=2 (eager), every all-reduce 6 ms slower from mid-run: the same requests before
+           the switch are the baseline (allreduce_dominates)
 
 and reports, over all trials: top-1 accuracy (the first finding is the planted cause), the
 impact error (|impact p50 - measured effect| / measured effect, where the measured effect
@@ -18,7 +22,7 @@ impact is the finding's counterfactual computed over those same client-timed req
 nocache the load also differs by its shared prefix, so only top-1 counts there), and
 how often the control stayed quiet.
 
-Usage: python bench/truth.py [--trials 3]
+Usage: python bench/truth.py [--trials 3] [--only seats,allreduce]
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ sys.path.insert(0, str(ROOT))
 from ttftscope.analyzer.impact import REMOVED, impact_ms  # noqa: E402
 
 from support.truth import (  # noqa: E402
+    ALLREDUCE_MS,
     PLANTED,
     STALL_MS,
     TOKENIZE_US_PER_TOKEN,
+    drive_busy,
     drive_long,
+    drive_switched,
 )
 from support.truth import analyze as _analyze  # noqa: E402
 from support.truth import drive as _drive  # noqa: E402
@@ -54,7 +61,15 @@ SCENARIOS = {  # name -> (server env, extra vLLM flags, the load, its own baseli
     # long prompts over a small prefill budget, against the same prompts at a large one
     "budget": ({}, ["--max-num-batched-tokens", "64"], drive_long, ["--max-num-batched-tokens", "2048"],
                "chunk_budget"),
+    # decodes holding every seat, against the same load with room
+    "seats": ({}, ["--max-num-seqs", "2"], functools.partial(drive_busy, bg_tokens=80, n=12, clients=3),
+              ["--max-num-seqs", "128"], "queue_dominates"),
+    # slow collectives switched on mid-run: the part before is the baseline (SWITCHED)
+    "allreduce": ({"PYTHONPATH": str(PLANTED), "PLANTED_ALLREDUCE_MS": str(ALLREDUCE_MS)}, None, drive_switched,
+                  "switched", "allreduce_dominates"),
 }
+#: scenarios on a server other than the defaults
+SERVER = {"allreduce": {"tp": 2, "eager": True}}
 
 
 def trial(tmp: Path) -> dict:
@@ -67,12 +82,20 @@ def trial(tmp: Path) -> dict:
                      "findings": [(f["severity"], f["kind"]) for f in clean["findings"]]}}
     for name, (env, extra, drive, own_base, want) in SCENARIOS.items():
         p50 = base_p50
-        if own_base is not None:
+        if own_base == "switched":
+            flag = tmp / name / "flag"
+            env, drive = {**env, "PLANTED_ALLREDUCE_FLAG": str(flag)}, functools.partial(drive, flag=flag)
+        elif own_base is not None:
             (tmp / f"{name}-base").mkdir()
             b, _ = _served(tmp / f"{name}-base", f"{name}-base", extra=own_base, drive=drive)
             p50 = float(b["client_ms"].median())
-        df, store = _served(tmp / name, name, env=env or None, extra=extra, drive=drive)
-        rep = _analyze(store, name)
+        df, store = _served(tmp / name, name, env=env or None, extra=extra, drive=drive, **SERVER.get(name, {}))
+        if own_base == "switched":
+            p50 = float(df.filter(df["part"] == "clean")["client_ms"].median())
+            df = df.filter(df["part"] == "slowed")
+            rep = _analyze(store, name, since=df["since"].min(), until=df["until"].max())
+        else:
+            rep = _analyze(store, name)
         effect = float(df["client_ms"].median()) - p50
         top = rep["findings"][0] if rep["findings"] else None
         mine = next((f for f in rep["findings"] if f["kind"] == want), None)
@@ -88,7 +111,14 @@ def trial(tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--only", default="", help="comma-separated scenarios (default: all); the clean control always runs")
     args = ap.parse_args()
+    if args.only:
+        unknown = set(args.only.split(",")) - set(SCENARIOS)
+        if unknown:
+            ap.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {', '.join(SCENARIOS)}")
+        for k in set(SCENARIOS) - set(args.only.split(",")):
+            del SCENARIOS[k]
     results = []
     for i in range(args.trials):
         with tempfile.TemporaryDirectory() as d:
@@ -105,7 +135,7 @@ def main() -> int:
     for s in SCENARIOS:
         errs = [r[s]["impact_error"] for r in results if r[s]["impact_error"] is not None]
         found = sum(r[s]["found"] for r in results)
-        print(f"  {s:<8} top-1 {sum(r[s]['top1'] for r in results)}/{len(results)}, found {found}/{len(results)}, "
+        print(f"  {s:<9} top-1 {sum(r[s]['top1'] for r in results)}/{len(results)}, found {found}/{len(results)}, "
               + (f"median impact error {statistics.median(errs):.0%}" if errs else "no impact to compare")
               + f"; findings {results[-1][s]['findings']}")
     return 0

@@ -123,6 +123,8 @@ class DeferredSpans:
         while self._q:
             name, start_s, end_s, attrs, parent = self._q.popleft()
             ctx = parent if isinstance(parent, Context) or not parent else prop.extract(parent)
+            # values computed when encoded (prefix hashes) become the strings they stand for
+            attrs = {k: v if isinstance(v, (str, bool, int, float)) or v is None else str(v) for k, v in attrs.items()}
             span = self.tracer.start_span(name, context=ctx, start_time=int(start_s * 1e9), attributes=attrs)
             span.end(end_time=int(max(end_s, start_s) * 1e9))
             n += 1

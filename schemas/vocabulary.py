@@ -67,6 +67,9 @@ class Attr:
     TOKENS_COMPUTED = f"{PREFIX}.tokens.computed"
     TOKENS_CACHED = f"{PREFIX}.tokens.cached"  # served from the prefix cache
     PREFIX_HASH = f"{PREFIX}.prefix.hash"  # hash of the first 64 prompt tokens (first chunk only)
+    #: chained hashes of the prompt's 64-token blocks, comma-separated (first chunk only, up to
+    #: 4096 tokens): two prompts share their first k*64 tokens when their k-th hashes agree
+    PREFIX_CHAIN = f"{PREFIX}.prefix.chain"
     BATCH_SIZE = f"{PREFIX}.batch.size"
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"

@@ -28,6 +28,7 @@ from .procs import PY, ROOT, CollectorProc, VllmServer
 PLANTED = ROOT / "tests" / "planted"  # the test-only vLLM plugin that plants a fault of a given size
 STALL_MS = 25.0
 TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts' median
+ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
 SHARED = prompt_of(300, 999)
 
 
@@ -118,6 +119,28 @@ def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int =
         stop.set()
         for t in bg:
             t.join(60)
+    return out
+
+
+def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
+    """The same requests (60-token prompts, streaming, one at a time) twice: ``part`` "clean",
+    then "slowed" once ``flag`` exists (a planted fault switched on mid-run: one server, its
+    own baseline); each row has its part's ``since`` and ``until`` (epoch seconds)."""
+    srv.completion("warm up", 2)
+    for stream in (True, False):
+        client_ttft(srv.port, srv.model, "warm up the client", stream)
+    out = []
+    for part in ("clean", "slowed"):
+        if part == "slowed":
+            flag.touch()
+            time.sleep(0.5)
+        since, rows = time.time(), []
+        for i in range(n):
+            t, rid = client_ttft(srv.port, srv.model, prompt_of(60, 500 + i), True)
+            rows.append({"rid": rid, "client_ms": t * 1e3, "stream": True, "part": part, "since": since})
+            time.sleep(0.05)
+        until = time.time()
+        out += [{**r, "until": until} for r in rows]
     return out
 
 

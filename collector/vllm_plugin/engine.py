@@ -32,7 +32,38 @@ class Chunk:
     index: int
     trace_headers: dict
     request_id: str
-    prefix_hash: str
+    prefix_hash: PrefixHashes | None
+
+
+class PrefixHashes:
+    """A prompt's prefix hashes, computed when the span is encoded (``str()``, on the export
+    thread): the first 64 tokens' hash, and ``chain``, the chained hashes of its 64-token blocks
+    (up to ``MAX_BLOCKS``). The engine loop only keeps a reference to vLLM's token list, which
+    it does not change after the request is created. Token ids hash the same in every process."""
+
+    __slots__ = ("toks", "chain")
+    BLOCK, MAX_BLOCKS = 64, 64
+
+    def __init__(self, toks) -> None:
+        self.toks = toks
+        self.chain = _Chain(toks)
+
+    def __str__(self) -> str:
+        return format(hash(tuple(self.toks[:self.BLOCK])) & 0xFFFFFFFFFFFF, "x")
+
+
+class _Chain:
+    __slots__ = ("toks",)
+
+    def __init__(self, toks) -> None:
+        self.toks = toks
+
+    def __str__(self) -> str:
+        t, b, h, out = self.toks, PrefixHashes.BLOCK, 0, []
+        for i in range(0, min(len(t) // b, PrefixHashes.MAX_BLOCKS) * b, b):
+            h = hash((h, *t[i:i + b]))
+            out.append(format(h & 0xFFFFFFFFFFFF, "x"))
+        return ",".join(out)
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
@@ -227,11 +258,11 @@ def _chunks(st: EngineState, sched, out, t0: float) -> list[Chunk]:
         if before < req.num_prompt_tokens:  # a prefill chunk
             idx = st.chunks.get(req_id, 0)
             st.chunks[req_id] = idx + 1
-            phash = ""
+            phash = None
             if idx == 0:
                 toks = req.prompt_token_ids
                 if toks is not None and len(toks) >= 64:
-                    phash = format(hash(tuple(toks[:64])) & 0xFFFFFFFFFFFF, "x")  # same process, same hash seed
+                    phash = PrefixHashes(toks)  # hashed on the export thread, not on the engine loop
             chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers, ext_id(req), phash))
     for nr in new:
         req = sched.requests.get(nr.req_id)
@@ -293,8 +324,9 @@ def _close_step(st: EngineState, sched, p: PendingStep, t_u0: float, t_u1: float
         attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: Phase.PREFILL.value, Attr.STEP: step, Attr.CHUNK: c.index,
                  Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached, Attr.BATCH_SIZE: batch,
                  Attr.ENGINE: st.engine}
-        if c.prefix_hash:
+        if c.prefix_hash is not None:
             attrs[Attr.PREFIX_HASH] = c.prefix_hash
+            attrs[Attr.PREFIX_CHAIN] = c.prefix_hash.chain
         span(SpanName.PREFILL, t1, t_u0, attrs, c.trace_headers)
         req = sched.requests.get(c.req_id)
         if req is None or req.num_computed_tokens >= req.num_prompt_tokens:

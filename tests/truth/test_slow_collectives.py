@@ -12,44 +12,20 @@ within 15% of that cost (issue 12), and the report on the clean part must not na
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
+import functools
 
 import pytest
 
-from support.truth import PLANTED, analyze, client_ttft, served
-from ttftscope.tinymodel import prompt_of
+from support.truth import ALLREDUCE_MS, PLANTED, analyze, drive_switched, served
 
 pytestmark = pytest.mark.slow  # a real TP=2 vLLM server
-
-ALLREDUCE_MS = 6.0
-
-
-def _drive(flag: Path, n: int = 16):
-    def drive(srv) -> list[dict]:
-        srv.completion("warm up", 2)
-        for stream in (True, False):
-            client_ttft(srv.port, srv.model, "warm up the client", stream)
-        out = []
-        for part in ("clean", "slowed"):
-            if part == "slowed":
-                flag.touch()
-                time.sleep(0.5)
-            since = time.time()
-            for i in range(n):
-                t, rid = client_ttft(srv.port, srv.model, prompt_of(60, 500 + i), True)
-                out.append({"rid": rid, "client_ms": t * 1e3, "stream": True, "part": part,
-                            "since": since, "until": time.time()})
-                time.sleep(0.05)
-        return out
-    return drive
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("allreduce")
     flag = tmp / "slow-allreduce"
-    return served(tmp, "allreduce", drive=_drive(flag), tp=2, eager=True,
+    return served(tmp, "allreduce", drive=functools.partial(drive_switched, flag=flag), tp=2, eager=True,
                   env={"PYTHONPATH": str(PLANTED), "PLANTED_ALLREDUCE_MS": str(ALLREDUCE_MS),
                        "PLANTED_ALLREDUCE_FLAG": str(flag)})
 
@@ -68,7 +44,7 @@ def test_slow_collectives_are_named_with_their_size(tp2):
 
     def report(part):
         rows = df.filter(df["part"] == part)
-        return analyze(store, "allreduce", since=rows["since"][0], until=rows["until"].max())
+        return analyze(store, "allreduce", since=rows["since"].min(), until=rows["until"].max())
 
     rep = report("slowed")
     top = rep["findings"][0]
