@@ -190,13 +190,14 @@ class VllmServer:
         r.raise_for_status()
         return r.json()
 
-    def stream(self, prompt: str, max_tokens: int = 8, headers: dict | None = None) -> list[dict]:
-        """A streaming completion, read chunk by chunk as a client would (SSE)."""
+    def stream(self, prompt: str, max_tokens: int = 8, headers: dict | None = None, **body) -> list[dict]:
+        """A streaming completion, read chunk by chunk as a client would (SSE); ``body``: more
+        request fields (``ignore_eos=True``: exactly ``max_tokens`` tokens)."""
         import json as _json
 
         chunks = []
         with requests.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
-                                                                "max_tokens": max_tokens, "stream": True},
+                                                                "max_tokens": max_tokens, "stream": True, **body},
                            headers=headers, timeout=120, stream=True) as r:
             r.raise_for_status()
             for line in r.iter_lines():
