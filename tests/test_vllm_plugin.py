@@ -179,7 +179,7 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
     hits = [cached[one(cached, rid)] for rid in ids["prefix"]]
     assert sorted(hits)[0] == 0 and min(sorted(hits)[1:]) >= 500, hits
     # vLLM hit the cache: no prefix-cache finding (with the cache off it appears:
-    # tests/test_client_ttft.py::test_with_the_prefix_cache_off_the_misses_are_reported)
+    # tests/truth/test_client_ttft.py::test_with_the_prefix_cache_off_the_misses_are_reported_with_their_size)
     r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
                         "--run", "tp1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr

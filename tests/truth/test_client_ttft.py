@@ -17,9 +17,9 @@ import subprocess
 
 import polars as pl
 import pytest
-from conftest import PY, ROOT, ttftscope_sql
 from ttftscope.analyzer.decompose import PHASE_COLUMNS
 
+from support.procs import PY, ROOT, ttftscope_sql
 from support.truth import (
     PLANTED,
     STALL_MS,
