@@ -54,8 +54,18 @@ case "$what" in
     debian_tools
     echo "==> ruff"
     .venv/bin/ruff check .
-    echo "==> pytest"
-    exec .venv/bin/python -m pytest -q "$@" ;;
+    if [ $# -gt 0 ]; then  # a selection of tests: as given
+      echo "==> pytest"
+      exec .venv/bin/python -m pytest -q "$@"
+    fi
+    # everything: the fast tier on both cores, then the slow tier (real vLLM servers, browser,
+    # Prometheus) one test at a time, its timings undisturbed; fails if either fails
+    echo "==> pytest (fast tier, 2 workers)"
+    rc=0
+    .venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadfile || rc=$?
+    echo "==> pytest (slow tier)"
+    .venv/bin/python -m pytest -q -m slow || rc=$?
+    exit $rc ;;
   fast)
     debian_tools
     echo "==> ruff"
