@@ -188,7 +188,8 @@ def deliver_generation(step_ns: int = 0) -> pl.Expr:
     """Of ``deliver``, the time the engine spends generating more tokens before the client
     has one it can show: a non-streaming response's remaining tokens (vLLM's e2e minus its
     TTFT: its TTFT is the whole response), a stream's first tokens that decode to no text yet
-    (``text_wait``: the first chunk with a choice -> the first with text, each a decode step).
+    (of ``text_wait``, the first chunk with a token -> the first with text, one engine decode
+    step, ``step_ns``, per token without text: the rest of that wait is the delivery path's).
     The client waits for it, but it is decoding, not a delivery stall; detectors of the
     delivery path look at ``deliver - deliver_generation``."""
     gen = (pl.col("e2e") - pl.col("ttft_vllm")).clip(lower_bound=0)

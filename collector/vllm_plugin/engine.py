@@ -16,7 +16,7 @@ from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, ProcessRole, Span
 
 from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready
-from .runtime import at_exit, ext_id, guard, log, sampled, set_model, span
+from .runtime import RT, at_exit, ext_id, guard, log, sampled, set_model, span
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 _REQ = "vllm.v1.request"
@@ -38,27 +38,46 @@ class Chunk:
 class PrefixHashes:
     """A prompt's prefix hashes, computed when the span is encoded (``str()``, on the export
     thread): the first 64 tokens' hash, and ``chain``, the chained hashes of its 64-token blocks
-    (up to ``MAX_BLOCKS``). The engine loop only keeps a reference to vLLM's token list, which
-    it does not change after the request is created. Token ids hash the same in every process."""
+    (up to ``MAX_BLOCKS``). The engine loop keeps only a reference to vLLM's token list (which
+    it does not change after the request is created; a longer prompt's first ``MAX_BLOCKS``
+    blocks are copied, so a queued span never holds more than that); when the export queue is
+    backed up (the collector down), :meth:`freeze` computes the strings at once and lets the
+    list go. Token ids hash the same in every process."""
 
-    __slots__ = ("toks", "chain")
+    __slots__ = ("toks", "chain", "_first")
     BLOCK, MAX_BLOCKS = 64, 64
 
     def __init__(self, toks) -> None:
-        self.toks = toks
-        self.chain = _Chain(toks)
+        cap = self.BLOCK * self.MAX_BLOCKS
+        self.toks = toks if len(toks) <= cap else toks[:cap]
+        self.chain = _Chain(self.toks)
+        self._first: str | None = None
+
+    def freeze(self) -> PrefixHashes:
+        self._first = str(self)
+        self.chain.freeze()
+        self.toks = ()
+        return self
 
     def __str__(self) -> str:
+        if self._first is not None:
+            return self._first
         return format(hash(tuple(self.toks[:self.BLOCK])) & 0xFFFFFFFFFFFF, "x")
 
 
 class _Chain:
-    __slots__ = ("toks",)
+    __slots__ = ("toks", "_s")
 
     def __init__(self, toks) -> None:
-        self.toks = toks
+        self.toks, self._s = toks, None
+
+    def freeze(self) -> None:
+        self._s = str(self)
+        self.toks = ()
 
     def __str__(self) -> str:
+        if self._s is not None:
+            return self._s
         t, b, h, out = self.toks, PrefixHashes.BLOCK, 0, []
         for i in range(0, min(len(t) // b, PrefixHashes.MAX_BLOCKS) * b, b):
             h = hash((h, *t[i:i + b]))
@@ -325,8 +344,9 @@ def _close_step(st: EngineState, sched, p: PendingStep, t_u0: float, t_u1: float
                  Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached, Attr.BATCH_SIZE: batch,
                  Attr.ENGINE: st.engine}
         if c.prefix_hash is not None:
-            attrs[Attr.PREFIX_HASH] = c.prefix_hash
-            attrs[Attr.PREFIX_CHAIN] = c.prefix_hash.chain
+            ph = c.prefix_hash.freeze() if _export_backed_up() else c.prefix_hash
+            attrs[Attr.PREFIX_HASH] = ph
+            attrs[Attr.PREFIX_CHAIN] = ph.chain
         span(SpanName.PREFILL, t1, t_u0, attrs, c.trace_headers)
         req = sched.requests.get(c.req_id)
         if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
@@ -336,6 +356,15 @@ def _close_step(st: EngineState, sched, p: PendingStep, t_u0: float, t_u1: float
         Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0),
         Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine,
         Attr.MAX_NUM_SEQS: sched.max_num_running_reqs, **_anatomy_attrs(*anatomy)})
+
+
+def _export_backed_up() -> bool:
+    """The export queue is at least half full (the collector down or slow)."""
+    q = RT.deferred
+    try:
+        return len(q) * 2 >= q.max_queue
+    except (TypeError, AttributeError):  # no queue, or another kind of sink
+        return False
 
 
 def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
