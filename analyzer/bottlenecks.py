@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 from ttftscope.schemas.phases import DOMINANCE, LABELS
-from ttftscope.schemas.vocabulary import Attr, SpanName
+from ttftscope.schemas.vocabulary import PREFIX_BLOCK, Attr, SpanName
 
 from .compare import compare_frames, significant_shifts
 from .decompose import tail_attribution
@@ -223,7 +223,7 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     Only repeats whose prefill started after the prefix's first prefill had finished could
     have hit (in a burst, the rest ran alongside it). How long the shared prefix is comes from
     the chained 64-token block hashes (``ttftscope.prefix.chain``): the deepest block a request
-    shares with another; without them, the first 64 tokens (a lower bound). The finding carries
+    shares with another; without them, the first block (a lower bound). The finding carries
     each missed repeat's shared tokens for its impact: that share of its prefill (chunks, their
     collectives and the waits between them) is what a hit would have saved. Severity weighs the
     miss rate by the missed repeats' prefill as a share of all TTFT in the window."""
@@ -254,15 +254,16 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
               .explode("c", "k").filter(pl.col("c") != ""))
     depth = (blocks.filter(pl.len().over("c") >= 2).group_by("trace_id").agg(pl.col("k").max().alias("k")))
     shared = (missed.select("trace_id").join(depth, on="trace_id", how="left")
-              .select("trace_id", (pl.col("k").fill_null(1) * 64).cast(pl.Int64).alias("shared_tokens")))
+              .select("trace_id", (pl.col("k").fill_null(1) * PREFIX_BLOCK).cast(pl.Int64).alias("shared_tokens")))
+    shared_p50 = int(shared["shared_tokens"].median() or PREFIX_BLOCK)
     top = grp.group_by("h").agg(pl.len().alias("n"), pl.col("request_id").head(5), pl.col("trace_id").head(5)) \
              .sort("n", descending=True).head(3)
     out = _finding("prefix_cache_misses", sev, miss_share, "share", impact,
                    f"{grp.height / total:.0%} of requests share a prompt prefix (about "
-                   f"{int(shared['shared_tokens'].median() or 64)} tokens), yet {miss_share:.0%} of the repeats that "
+                   f"{shared_p50} tokens), yet {miss_share:.0%} of the repeats that "
                    f"could have hit got no prefix-cache hit (their prefill: up to {impact:.0%} of TTFT)",
                    shared_requests=grp.height, eligible_repeats=eligible.height, prefixes=int(grp["h"].n_unique()),
-                   missed_prefill_ms=missed_ms, shared_tokens_p50=float(shared["shared_tokens"].median() or 64),
+                   missed_prefill_ms=missed_ms, shared_tokens_p50=shared_p50,
                    request_ids=[r for x in top["request_id"].to_list() for r in x][:10],
                    trace_ids=[t for x in top["trace_id"].to_list() for t in x][:10])
     if out:

@@ -20,7 +20,14 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 from ttftscope.schemas.columns import ARROW_SCHEMA, STR_MAP, TS
-from ttftscope.schemas.vocabulary import Attr, ProcessRole, ResourceAttr, SpanName
+from ttftscope.schemas.vocabulary import (
+    PREFIX_BLOCK,
+    PREFIX_MAX_BLOCKS,
+    Attr,
+    ProcessRole,
+    ResourceAttr,
+    SpanName,
+)
 
 MS = 1_000_000  # ns
 
@@ -293,12 +300,13 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     shared = rng.random(n) < p.shared_prefix_frac
     phash = np.where(shared, np.char.add("p", rng.integers(0, 4, n).astype(str)),
                      np.char.add("u", np.arange(n).astype(str)))
-    phash = np.where(L >= 64, phash, "")
+    phash = np.where(L >= PREFIX_BLOCK, phash, "")
     cached = np.where(shared & p.prefix_cache & (k[first_chunk] == 0), np.minimum(L, 256), 0)
     chunk_cached = np.where(k == 0, cached[cid], 0)
     chunk_hash = np.where(k == 0, phash[cid], "")
-    # the chained 64-token block hashes: a shared prefix's first 256 tokens are its blocks
-    chain = _prefix_chain(phash, np.where(shared, np.minimum(L, 256) // 64, 0), np.minimum(L // 64, 64))
+    # the chained block hashes: a shared prefix's first 256 tokens are its blocks
+    chain = _prefix_chain(phash, np.where(shared, np.minimum(L, 256) // PREFIX_BLOCK, 0),
+                          np.minimum(L // PREFIX_BLOCK, PREFIX_MAX_BLOCKS))
     chunk_chain = np.where(k == 0, chain[cid], "")
     engine = "engine-0"
 

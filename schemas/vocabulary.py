@@ -66,9 +66,10 @@ class Attr:
     CHUNK = f"{PREFIX}.prefill.chunk"  # chunk index within a request's prefill
     TOKENS_COMPUTED = f"{PREFIX}.tokens.computed"
     TOKENS_CACHED = f"{PREFIX}.tokens.cached"  # served from the prefix cache
-    PREFIX_HASH = f"{PREFIX}.prefix.hash"  # hash of the first 64 prompt tokens (first chunk only)
-    #: chained hashes of the prompt's 64-token blocks, comma-separated (first chunk only, up to
-    #: 4096 tokens): two prompts share their first k*64 tokens when their k-th hashes agree
+    #: the first block's hash of the prompt (PREFIX_BLOCK tokens; first chunk only)
+    PREFIX_HASH = f"{PREFIX}.prefix.hash"
+    #: chained hashes of the prompt's PREFIX_BLOCK-token blocks, comma-separated (first chunk
+    #: only, up to PREFIX_MAX_BLOCKS): two prompts share their first k blocks when their k-th agree
     PREFIX_CHAIN = f"{PREFIX}.prefix.chain"
     BATCH_SIZE = f"{PREFIX}.batch.size"
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
@@ -111,6 +112,9 @@ class Attr:
 
 #: a trace header the plugin adds when the API server hands a request to the engine core
 #: (wall-clock seconds): the start of ``intake``
+#: the block of prompt tokens the prefix hashes are taken over, and how many blocks the chain reaches
+PREFIX_BLOCK, PREFIX_MAX_BLOCKS = 64, 64
+
 HANDOFF_HEADER = f"{PREFIX}-handoff"
 
 

@@ -211,19 +211,21 @@ def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypa
 
 def test_prefix_hashes_are_the_same_lazy_or_frozen_and_hold_a_bounded_prompt():
     """The engine keeps a reference to the prompt and the export thread hashes it; frozen (the
-    export queue backed up) the strings are computed at once and the prompt let go. Two prompts
+    export queue backed up) the hashes are computed at once and the prompt let go. Two prompts
     sharing their first 200 tokens share three 64-token blocks of the chain, not the fourth;
     a prompt longer than the chain's reach is held only up to it."""
     from ttftscope.collector.vllm_plugin.engine import PrefixHashes
+    from ttftscope.schemas.vocabulary import PREFIX_BLOCK, PREFIX_MAX_BLOCKS
 
     a = list(range(200)) + [7] * 100
     b = list(range(200)) + [9] * 100
     ha, hb = PrefixHashes(a), PrefixHashes(b)
     ca, cb = str(ha.chain).split(","), str(hb.chain).split(",")
-    assert len(ca) == len(cb) == 300 // 64
+    assert len(ca) == len(cb) == 300 // PREFIX_BLOCK
     assert ca[:3] == cb[:3] and ca[3] != cb[3]
-    first, chain = str(ha), str(ha.chain)
-    assert str(ha.freeze()) == first and str(ha.chain) == chain and ha.toks == ()
+    assert str(ha) == str(hb) and str(PrefixHashes([1] + a[1:])) != str(ha), "the first block's hash"
+    fresh = PrefixHashes(a)
+    assert str(fresh.freeze().chain) == str(ha.chain) and fresh.toks == ()
     long = PrefixHashes(list(range(10_000)))
-    assert len(long.toks) == PrefixHashes.BLOCK * PrefixHashes.MAX_BLOCKS
-    assert len(str(long.chain).split(",")) == PrefixHashes.MAX_BLOCKS
+    assert len(long.toks) == PREFIX_BLOCK * PREFIX_MAX_BLOCKS
+    assert len(str(long.chain).split(",")) == PREFIX_MAX_BLOCKS

@@ -12,7 +12,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ttftscope.schemas.phases import Phase
-from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, ProcessRole, SpanName
+from ttftscope.schemas.vocabulary import (
+    HANDOFF_HEADER,
+    PREFIX_BLOCK,
+    PREFIX_MAX_BLOCKS,
+    Attr,
+    ProcessRole,
+    SpanName,
+)
 
 from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready
@@ -36,53 +43,49 @@ class Chunk:
 
 
 class PrefixHashes:
-    """A prompt's prefix hashes, computed when the span is encoded (``str()``, on the export
-    thread): the first 64 tokens' hash, and ``chain``, the chained hashes of its 64-token blocks
-    (up to ``MAX_BLOCKS``). The engine loop keeps only a reference to vLLM's token list (which
-    it does not change after the request is created; a longer prompt's first ``MAX_BLOCKS``
-    blocks are copied, so a queued span never holds more than that); when the export queue is
-    backed up (the collector down), :meth:`freeze` computes the strings at once and lets the
-    list go. Token ids hash the same in every process."""
+    """A prompt's prefix hashes, computed once when the span is encoded (``str()``, on the
+    export thread): the chained hashes of its ``PREFIX_BLOCK``-token blocks (``chain``, up to
+    ``PREFIX_MAX_BLOCKS``), the first of them standing for the prompt's first block. The engine
+    loop keeps only a reference to vLLM's token list (which it does not change after the
+    request is created; a longer prompt's reachable blocks are copied, so a queued span never
+    holds more); when the export queue is backed up (the collector down), :meth:`freeze`
+    computes them at once and lets the list go. Token ids hash the same in every process."""
 
-    __slots__ = ("toks", "chain", "_first")
-    BLOCK, MAX_BLOCKS = 64, 64
+    __slots__ = ("toks", "chain", "_hashes")
 
     def __init__(self, toks) -> None:
-        cap = self.BLOCK * self.MAX_BLOCKS
+        cap = PREFIX_BLOCK * PREFIX_MAX_BLOCKS
         self.toks = toks if len(toks) <= cap else toks[:cap]
-        self.chain = _Chain(self.toks)
-        self._first: str | None = None
+        self._hashes: list[str] | None = None
+        self.chain = _ChainOf(self)
+
+    def hashes(self) -> list[str]:
+        if self._hashes is None:
+            t, b, h, out = self.toks, PREFIX_BLOCK, 0, []
+            for i in range(0, len(t) // b * b, b):
+                h = hash((h, *t[i:i + b]))
+                out.append(format(h & 0xFFFFFFFFFFFF, "x"))
+            self._hashes, self.toks = out, ()
+        return self._hashes
 
     def freeze(self) -> PrefixHashes:
-        self._first = str(self)
-        self.chain.freeze()
-        self.toks = ()
+        self.hashes()
         return self
 
     def __str__(self) -> str:
-        if self._first is not None:
-            return self._first
-        return format(hash(tuple(self.toks[:self.BLOCK])) & 0xFFFFFFFFFFFF, "x")
+        return self.hashes()[0]
 
 
-class _Chain:
-    __slots__ = ("toks", "_s")
+class _ChainOf:
+    """The ``chain`` attribute's value: its prompt's block hashes, joined when encoded."""
 
-    def __init__(self, toks) -> None:
-        self.toks, self._s = toks, None
+    __slots__ = ("of",)
 
-    def freeze(self) -> None:
-        self._s = str(self)
-        self.toks = ()
+    def __init__(self, of: PrefixHashes) -> None:
+        self.of = of
 
     def __str__(self) -> str:
-        if self._s is not None:
-            return self._s
-        t, b, h, out = self.toks, PrefixHashes.BLOCK, 0, []
-        for i in range(0, min(len(t) // b, PrefixHashes.MAX_BLOCKS) * b, b):
-            h = hash((h, *t[i:i + b]))
-            out.append(format(h & 0xFFFFFFFFFFFF, "x"))
-        return ",".join(out)
+        return ",".join(self.of.hashes())
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
@@ -280,7 +283,7 @@ def _chunks(st: EngineState, sched, out, t0: float) -> list[Chunk]:
             phash = None
             if idx == 0:
                 toks = req.prompt_token_ids
-                if toks is not None and len(toks) >= 64:
+                if toks is not None and len(toks) >= PREFIX_BLOCK:
                     phash = PrefixHashes(toks)  # hashed on the export thread, not on the engine loop
             chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers, ext_id(req), phash))
     for nr in new:
@@ -352,10 +355,12 @@ def _close_step(st: EngineState, sched, p: PendingStep, t_u0: float, t_u1: float
         if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
             st.chunks.pop(c.req_id, None)
     flush_decode_run(st)
-    span(SpanName.STEP, t0, t_u1, {
-        Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens, Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0),
-        Attr.RUNNING: running, Attr.WAITING: waiting, Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine,
-        Attr.MAX_NUM_SEQS: sched.max_num_running_reqs, **_anatomy_attrs(*anatomy)})
+    attrs = {Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens,
+             Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0), Attr.RUNNING: running, Attr.WAITING: waiting,
+             Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine, **_anatomy_attrs(*anatomy)}
+    if waiting:
+        attrs[Attr.MAX_NUM_SEQS] = sched.max_num_running_reqs
+    span(SpanName.STEP, t0, t_u1, attrs)
 
 
 def _export_backed_up() -> bool:
