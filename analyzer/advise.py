@@ -88,7 +88,7 @@ def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
             continue
         seen.add(f["kind"])
         what, effect = _ADVICE[f["kind"]]
-        if f["kind"] == "queue_dominates" and f["evidence"].get("full_share", 0) >= 0.5:
+        if f["evidence"].get("all_seats_held"):  # a queue behind running requests (bottlenecks.seats)
             what, effect = _SEATS
         out.append({"because": f["title"], "finding": f["kind"], "severity": f["severity"], "change": what,
                     "expected_effect": effect, "expected_effect_ms": f.get("impact_ms"), "evidence": {k: v for k, v in f["evidence"].items()

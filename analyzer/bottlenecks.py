@@ -54,7 +54,7 @@ def phase_dominance(ctx: Context) -> list[Finding]:
         title, extra = f"{LABELS[phase]} is {share:.0%} of {where}", {}
         if phase == "queue" and sev:
             extra = seats(ctx)
-            if extra.get("full_share", 0) >= 0.5:
+            if extra.get("all_seats_held"):
                 title += (f": while requests waited, all {extra['seats']} seats (--max-num-seqs) were held by "
                           f"running requests in {extra['full_share']:.0%} of steps")
         f = _finding(f"{phase}_dominates", sev, share, "share", share, title,
@@ -79,7 +79,9 @@ def seats(ctx: Context) -> dict:
     if s.height == 0:
         return {}
     r = s.row(0, named=True)
-    return {"seats": int(r["seats"]), "steps_waiting": int(r["steps"]), "full_share": r["full"] / r["steps"]}
+    full = r["full"] / r["steps"]
+    return {"seats": int(r["seats"]), "steps_waiting": int(r["steps"]), "full_share": full,
+            "all_seats_held": full >= 0.5}
 
 
 @detector("chunk_waits")

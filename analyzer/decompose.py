@@ -167,7 +167,9 @@ def decompose(store, window: Window) -> pl.DataFrame:
         *[pl.col(c).cast(pl.Int64) for c in ["ttft", "ttft_vllm", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e", "text_wait",
                                               "text_wait_tokens"]],
     )
-    return df.with_columns(deliver_generation(decode_step_ns(store, window)))
+    # the engine's step period is needed only when a stream waited for a token with text
+    step_ns = decode_step_ns(store, window) if df["text_wait_tokens"].max() else 0
+    return df.with_columns(deliver_generation(step_ns))
 
 
 def decode_step_ns(store, window: Window) -> int:

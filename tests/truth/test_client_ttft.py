@@ -101,7 +101,6 @@ def test_phases_sum_exactly_and_cover_the_api_server(clean):
     # (a stream's generation is its wait for a token with text: first tokens that decode to none)
     streams, whole = df.filter(pl.col("stream")), df.filter(~pl.col("stream"))
     assert (whole["deliver_generation"] > 0).all()
-    assert (streams["deliver_generation"] <= streams["deliver"]).all()
     streams = streams.with_columns(pl.col("deliver") - pl.col("deliver_generation"))
     path = whole.with_columns(pl.col("deliver") - pl.col("deliver_generation"))
     assert _ms(path, "deliver") <= 2 * _ms(streams, "deliver") + 1.0, (_ms(path, "deliver"), _ms(streams, "deliver"))
