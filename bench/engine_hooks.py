@@ -5,17 +5,20 @@ The engine core's hooks run on vLLM's engine loop, so their cost is paid on ever
 hook functions (``collector/vllm_plugin/engine.py``: ``_on_add``, ``_on_schedule``,
 ``_on_step_done``) with plain objects carrying the attributes they declare (real vLLM
 drives them in tests/test_vllm_plugin.py and bench/overhead.py), into the real deferred-span
-queue (what the export thread drains), and reports CPU per step (``time.thread_time``) for:
+queue (what the export thread drains), and reports the CPU they add per step for:
 
   decode      decode-only steps, nobody waiting (merged into runs)
   waiting     decode-only steps with requests waiting (each its own span)
   prefill     a step that admits one new request (intake, queue, one prefill chunk)
   chunked     a step carrying the next chunk of a long prompt
 
-next to the floor measured in the same run: the same wrappers around schedule() and
-update_from_output() with empty bodies (two clock reads and a call each).
+Each figure is whole loops' CPU (``time.thread_time`` around --steps steps) with the hooks
+minus the same loop without them (vLLM's side alone: this harness; the steps are built before
+any timing), the least of interleaved
+--rounds (the least: noise only adds); next to it the floor, measured the same way: the wrappers' clock reads and calls of
+empty hooks (what any hook costs before it does anything).
 
-Usage: python bench/engine_hooks.py [--steps 20000]
+Usage: python bench/engine_hooks.py [--steps 20000] [--rounds 5] [--kinds decode,prefill]
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kinds", default="decode,waiting,prefill,chunked", help="which kinds of step, comma-separated")
     args = ap.parse_args()
 
     from ttftscope.collector.otel_setup import DeferredSpans
@@ -52,74 +57,79 @@ def main() -> int:
 
     running = [NS() for _ in range(16)]
 
-    def run(kind: str, n: int) -> float:
-        st = E.EngineState()
+    def nothing(*a) -> None:
+        return None
+
+    def steps(kind: str, n: int) -> tuple[NS, list[tuple]]:
+        """The scheduler and ``n`` steps of ``kind`` (built before any timing)."""
         sched = NS(requests={}, running=running, waiting=[], max_num_running_reqs=256)
-        cpu = 0.0
+        out, rid = [], None
         for i in range(n):
             new, tokens, waiting = (), {f"d{j}": 1 for j in range(16)}, 0
             if kind == "waiting":
                 waiting = 3
             elif kind == "prefill":
                 r = request(i, 100)
-                sched.requests[r.request_id] = r
-                new, tokens = (NS(req_id=r.request_id),), {**tokens, r.request_id: 100}
+                new, tokens = (r,), {**tokens, r.request_id: 100}
             elif kind == "chunked":
                 if i % 8 == 0:
                     r = request(i, 800)
-                    sched.requests[r.request_id] = r
-                    new = (NS(req_id=r.request_id),)
-                rid = next(reversed(sched.requests))
+                    new, rid = (r,), r.request_id
                 tokens = {**tokens, rid: 100}
-            sched.waiting = [0] * waiting
-            out = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=list(new),
-                     total_num_scheduled_tokens=sum(tokens.values()))
-            c0 = time.thread_time()
-            for nr in new:
-                E._on_add(st, sched.requests[nr.req_id])
-            cpu += time.thread_time() - c0
-            for rid, k in tokens.items():  # what vLLM's schedule() itself does (not timed)
-                if rid in sched.requests:
-                    sched.requests[rid].num_computed_tokens += k
-            c0 = time.thread_time()
-            t0 = time.time()
-            t1 = time.time()
-            E._on_schedule(st, sched, out, t0, t1)
-            t_u0 = time.time()
-            E._on_step_done(st, sched, out, t_u0, time.time())
-            cpu += time.thread_time() - c0
-            for nr in new:
-                if kind == "prefill":
-                    sched.requests.pop(nr.req_id, None)
-            if len(q) > 100_000:
+            so = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r.request_id) for r in new],
+                    total_num_scheduled_tokens=sum(tokens.values()))
+            out.append((new, so, [0] * waiting, [(r.request_id, k) for r in new for k in (tokens[r.request_id],)]
+                        if kind == "prefill" else ([(rid, 100)] if kind == "chunked" else [])))
+        return sched, out
+
+    def run(kind: str, n: int, mode: str) -> float:
+        """CPU seconds of ``n`` steps of ``kind``: ``hooks`` the plugin's, ``floor`` the wrappers'
+        clock reads and calls of empty hooks, ``bare`` vLLM's side alone (this harness)."""
+        st = E.EngineState()
+        sched, plan = steps(kind, n)
+        on_add, on_schedule, on_done = ((E._on_add, E._on_schedule, E._on_step_done) if mode == "hooks"
+                                        else (nothing, nothing, nothing))
+        hooked = mode != "bare"
+        clock = time.time if hooked else float
+        reqs = sched.requests
+        c0 = time.thread_time()
+        for new, out, waiting, advance in plan:
+            for r in new:  # vLLM's add_request and schedule() (their own work, in every mode)
+                reqs[r.request_id] = r
+                if hooked:
+                    on_add(st, r)
+            for rid, k in advance:
+                reqs[rid].num_computed_tokens += k
+            sched.waiting = waiting
+            t0 = clock()
+            t1 = clock()
+            if hooked:
+                on_schedule(st, sched, out, t0, t1)
+            t_u0 = clock()
+            if hooked:
+                on_done(st, sched, out, t_u0, clock())
+            if kind == "prefill":
+                for r in new:
+                    del reqs[r.request_id]
+            if len(q) > 1000:  # the export thread drains every 0.5 s
                 q.take(len(q))
-        E.flush_decode_run(st)
+        if mode == "hooks":
+            E.flush_decode_run(st)
+        cpu = time.thread_time() - c0
         q.take(len(q))
-        return cpu / n * 1e6
+        return cpu
 
-    def floor(n: int) -> float:
-        def schedule():
-            return None
-
-        def update():
-            return None
-
-        cpu = 0.0
-        for _ in range(n):
-            c0 = time.thread_time()
-            t0 = time.time()
-            schedule()
-            t1 = time.time()
-            update()
-            _ = (t0, t1, time.time())
-            cpu += time.thread_time() - c0
-        return cpu / n * 1e6
-
-    base = floor(args.steps)
-    print(f"floor (empty hooks, same clocks): {base:.2f} us per step")
-    for kind in ("decode", "waiting", "prefill", "chunked"):
-        us = run(kind, args.steps)
-        print(f"{kind:<8} {us:6.2f} us CPU per step  (x{us / base:.1f} the floor)", flush=True)
+    kinds = args.kinds.split(",")
+    cpu = {(k, m): [] for k in kinds for m in ("bare", "floor", "hooks")}
+    for _ in range(args.rounds):  # interleaved: drift hits every mode alike
+        for k in kinds:
+            for m in ("bare", "floor", "hooks"):
+                cpu[k, m].append(run(k, args.steps, m))
+    us = {key: min(v) / args.steps * 1e6 for key, v in cpu.items()}  # noise only adds: the least is the cost
+    for k in kinds:
+        floor, hooks = us[k, "floor"] - us[k, "bare"], us[k, "hooks"] - us[k, "bare"]
+        print(f"{k:<8} {hooks:6.2f} us CPU per step over vLLM's side alone   (floor: the wrappers' clock reads and "
+              f"calls {floor:4.2f} us; hooks x{hooks / max(floor, 1e-9):.1f} the floor)", flush=True)
     return 0
 
 

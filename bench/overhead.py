@@ -119,8 +119,14 @@ def _self_cost(before: dict, after: dict, requests: int) -> dict[str, dict]:
                               "process_cpu_s": b["process_cpu_s"]})
         r = out.setdefault(b["role"], {"hooks_s": 0.0, "hooks_wall_s": 0.0, "hook_calls": 0, "export_cpu_s": 0.0,
                                        "process_cpu_s": 0.0})
-        for k in r:
+        for k in ("hooks_s", "hooks_wall_s", "hook_calls", "export_cpu_s", "process_cpu_s"):
             r[k] += b.get(k, 0.0) - a.get(k, 0.0)
+        hooks = r.setdefault("per_hook", {})
+        for h, (calls, cpu) in b.get("per_hook", {}).items():
+            c0, s0 = a.get("per_hook", {}).get(h, (0, 0.0))
+            acc = hooks.setdefault(h, [0, 0.0])
+            acc[0] += calls - c0
+            acc[1] += cpu - s0
     for r in out.values():
         r["hooks_us_per_req"] = r["hooks_s"] / max(requests, 1) * 1e6
         r["hooks_wall_us_per_req"] = r["hooks_wall_s"] / max(requests, 1) * 1e6
@@ -218,6 +224,13 @@ def main() -> None:
         sh = statistics.median(v["share_of_cpu"] for v in vals)
         print(f"  {role:<12} hooks {hk:7.1f} us/request CPU ({pc:5.1f} us a call; wall {hw:7.1f}, GIL waits "
               f"included)   export thread {ex:7.1f} us/request   {sh:6.2%} of the process's CPU")
+        reqs = [x["completed"] for x in results["plugin"] if role in x["own"]]
+        for h in sorted({h for v in vals for h in v.get("per_hook", {})}):
+            per = [(v["per_hook"].get(h, (0, 0.0)), n) for v, n in zip(vals, reqs, strict=True)]
+            calls = statistics.median(c / n for (c, _), n in per)
+            us_call = statistics.median(s / max(c, 1) * 1e6 for (c, s), _ in per)
+            us_req = statistics.median(s / n * 1e6 for (_, s), n in per)
+            print(f"      {h:<22} {us_req:7.1f} us/request = {calls:6.1f} calls x {us_call:5.1f} us")
     hooks = sum(statistics.median(x["own"][r]["hooks_us_per_req"] for x in results["plugin"] if r in x["own"])
                 for r in roles)
     eng = [x["own"]["engine_core"]["hooks_s"] / max(x["steps"], 1) * 1e6 for x in results["plugin"]

@@ -41,13 +41,33 @@ def name_native_thread(name: str) -> None:
 YIELD_EVERY = 32
 
 
+def attributes(attrs) -> dict:
+    """A deferred span's attributes: the dict, or what its lazy ``(build, args)`` builds."""
+    return attrs[0](*attrs[1]) if attrs.__class__ is tuple else attrs
+
+
+def expand(records) -> list[tuple]:
+    """Deferred records as the spans they stand for, attributes built: a record named None is
+    a group whose ``(build, args)`` makes several spans' records at once."""
+    out = []
+    for r in records:
+        if r[0] is None:
+            out += expand(r[3][0](*r[3][1]))
+        else:
+            out.append((r[0], r[1], r[2], attributes(r[3]), r[4]))
+    return out
+
+
 class DeferredSpans:
     """Finished spans as plain tuples, bounded; turned into OTLP protobuf on the export thread.
 
     ``parent`` is the W3C trace headers of the request (``{"traceparent": ...}``), an
-    OpenTelemetry ``Context``, or None for a new trace. ``encode`` writes the protobuf
-    directly (no SDK span, no SDK encoder); ``materialize`` makes SDK spans instead, for
-    exporters that need them."""
+    OpenTelemetry ``Context``, or None for a new trace. ``attrs`` is a dict, or a tuple
+    ``(build, args)`` whose ``build(*args)`` makes the dict on the export thread; ``group``
+    defers the records of several spans the same way (:func:`expand`). A hook on vLLM's engine
+    loop then pays for a tuple, not for dicts of keys and converted values. ``encode`` writes
+    the protobuf directly (no SDK span, no SDK encoder); ``materialize`` makes SDK spans
+    instead, for exporters that need them."""
 
     def __init__(self, tracer, resource=None, *, scope: tuple[str, str] = ("ttftscope.vllm", "0.1.0"),
                  max_queue: int = 8192, max_batch: int = 512) -> None:
@@ -60,6 +80,7 @@ class DeferredSpans:
         self.wake = None  # set by the processor: called when a batch is ready
         self._q: deque[tuple] = deque()
         self._resource_attrs = None
+        self._build_failed = False
 
     def __len__(self) -> int:
         return len(self._q)
@@ -71,6 +92,26 @@ class DeferredSpans:
         self._q.append((name, start_s, end_s, attrs, parent))
         if len(self._q) == self.max_batch and self.wake is not None:
             self.wake()
+
+    def group(self, build, args: tuple) -> None:
+        """Several spans' records, made by ``build(*args)`` on the export thread."""
+        self.add(None, 0.0, 0.0, (build, args))
+
+    def _expanded(self, records: list[tuple]) -> list[tuple]:
+        """:func:`expand`, one record at a time: a record whose attributes cannot be built is
+        dropped (counted, logged once), not the batch."""
+        if all(r[0] is not None and r[3].__class__ is not tuple for r in records):
+            return records
+        out = []
+        for r in records:
+            try:
+                out += expand((r,))
+            except Exception:  # noqa: BLE001 - one bad record must not cost the batch
+                self.dropped += 1
+                if not self._build_failed:
+                    self._build_failed = True
+                    logging.getLogger("vllm.ttftscope").exception("ttftscope: building a deferred span failed")
+        return out
 
     def take(self, n: int) -> list[tuple]:
         out = []
@@ -90,7 +131,7 @@ class DeferredSpans:
         spans = []
         getrandbits = random.getrandbits
         every = YIELD_EVERY
-        for i, (name, start_s, end_s, attrs, parent) in enumerate(records):
+        for i, (name, start_s, end_s, attrs, parent) in enumerate(self._expanded(records)):
             if every and i and not i % every:
                 time.sleep(0)  # let a serving thread that waits for the GIL have it now, not in 5 ms
             tid, pid, state = None, b"", ""
@@ -121,13 +162,14 @@ class DeferredSpans:
         prop = TraceContextTextMapPropagator()
         n = 0
         while self._q:
-            name, start_s, end_s, attrs, parent = self._q.popleft()
-            ctx = parent if isinstance(parent, Context) or not parent else prop.extract(parent)
-            # values computed when encoded (prefix hashes) become the strings they stand for
-            attrs = {k: v if isinstance(v, (str, bool, int, float)) or v is None else str(v) for k, v in attrs.items()}
-            span = self.tracer.start_span(name, context=ctx, start_time=int(start_s * 1e9), attributes=attrs)
-            span.end(end_time=int(max(end_s, start_s) * 1e9))
-            n += 1
+            for name, start_s, end_s, attrs, parent in self._expanded([self._q.popleft()]):
+                ctx = parent if isinstance(parent, Context) or not parent else prop.extract(parent)
+                # values computed when encoded (prefix hashes) become the strings they stand for
+                attrs = {k: v if isinstance(v, (str, bool, int, float)) or v is None else str(v)
+                         for k, v in attrs.items()}
+                span = self.tracer.start_span(name, context=ctx, start_time=int(start_s * 1e9), attributes=attrs)
+                span.end(end_time=int(max(end_s, start_s) * 1e9))
+                n += 1
         return n
 
 
@@ -186,14 +228,18 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if sdk_spans:
             from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
+            from .span_wire import sdk_request
+
             # in slices, giving the GIL away between them (see YIELD_EVERY); serialized
-            # requests concatenate into one request
+            # requests concatenate into one request. vLLM's spans are written directly (the
+            # SDK's message, a fraction of its encoder's cost) unless one needs that encoder.
             step = YIELD_EVERY or len(sdk_spans)
             parts = []
             for i in range(0, len(sdk_spans), step):
                 if i:
                     time.sleep(0)
-                parts.append(encode_spans(sdk_spans[i:i + step]).SerializeToString())
+                part = sdk_request(sdk_spans[i:i + step])
+                parts.append(part if part is not None else encode_spans(sdk_spans[i:i + step]).SerializeToString())
             body = b"".join(parts)
         if records:  # repeated fields concatenate: our ResourceSpans joins the SDK's request
             from .span_wire import request_entry

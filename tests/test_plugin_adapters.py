@@ -120,17 +120,22 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     a step with a prefill chunk, or with requests waiting, closes the run and stands alone."""
     from types import SimpleNamespace as NS
 
+    from ttftscope.collector.otel_setup import DeferredSpans, expand
     from ttftscope.collector.vllm_plugin import engine as E
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import Attr, SpanName
 
-    spans = []
-    monkeypatch.setattr(RT, "deferred", NS(add=lambda name, s, e, attrs, parent=None: spans.append((name, s, e, attrs))))
+    q = DeferredSpans(tracer=None)
+    monkeypatch.setattr(RT, "deferred", q)
+    spans = []  # as the export thread sees them (attributes built)
+
+    def drain() -> None:
+        spans.extend((r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q))))
     st = E.EngineState()
     tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
     req = NS(request_id="cmpl-1-0-deadbeef", external_req_id="cmpl-1-0", trace_headers=tp, num_computed_tokens=0,
              num_prompt_tokens=100, prompt_token_ids=list(range(100)), priority=0, prefill_stats=None)
-    sched = NS(requests={"r1": req}, running=[1, 2, 3], waiting=[], max_num_running_reqs=256)
+    sched = NS(requests={"cmpl-1-0-deadbeef": req}, running=[1, 2, 3], waiting=[], max_num_running_reqs=256)
 
     def step(t: float, tokens: dict, new=(), waiting=0, sch=0.001, exe=0.010, upd=0.002):
         out = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r) for r in new],
@@ -141,21 +146,26 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
                 sched.requests[r].num_computed_tokens += n
         E._on_schedule(st, sched, out, t, t + sch)
         E._on_step_done(st, sched, out, t + sch + exe, t + sch + exe + upd)
+        drain()
 
     for i in range(10):  # decode steps 1..10, 3 running, 5 ms idle between them
         step(1.0 + i * 0.018, {"a": 1, "b": 1, "c": 1})
     assert spans == [], "a run stays open while it grows"
-    step(2.0, {"r1": 100, "a": 1}, new=["r1"])  # step 11: a prefill chunk closes the run
+    E._on_add(st, req)  # r1 arrives (queued from now until step 11 schedules it)
+    queued_at = st.queued["cmpl-1-0-deadbeef"]
+    step(2.0, {"cmpl-1-0-deadbeef": 100, "a": 1}, new=["cmpl-1-0-deadbeef"])  # step 11: a prefill chunk closes the run
     step(2.1, {"a": 1, "b": 1}, waiting=2)  # step 12: somebody waits: its own span
     names = [s[0] for s in spans]
-    assert names == [SpanName.PREFILL, SpanName.STEP, SpanName.STEP, SpanName.STEP], names
-    pre, run, alone, waited = (s[3] for s in spans)
+    assert names == [SpanName.STEP, SpanName.QUEUE, SpanName.PREFILL, SpanName.STEP, SpanName.STEP], names
+    run, queue, pre, alone, waited = (s[3] for s in spans)
+    assert spans[1][1:3] == (queued_at, 2.0), "queued from add_request to the schedule() that took it"
+    assert queue[Attr.REQUEST_ID] == "cmpl-1-0" and queue[Attr.PRIORITY] == "0"
     assert (run[Attr.STEP], run[Attr.STEP_LAST], run[Attr.STEP_COUNT]) == (1, 10, 10)
     assert run[Attr.STEP_DECODE_TOKENS] == 30 and run[Attr.WAITING] == 0
     assert run[Attr.STEP_EXECUTE_NS] == pytest.approx(10 * 10_000_000, rel=1e-6)
     assert run[Attr.STEP_SCHEDULE_NS] == pytest.approx(10 * 1_000_000, rel=1e-6)
     assert run[Attr.STEP_IDLE_NS] == pytest.approx(9 * 5_000_000, rel=1e-4), "idle between the run's steps"
-    assert spans[1][1] == 1.0 and spans[1][2] == pytest.approx(1.0 + 9 * 0.018 + 0.013)
+    assert spans[0][1] == 1.0 and spans[0][2] == pytest.approx(1.0 + 9 * 0.018 + 0.013)
     assert (pre[Attr.STEP], pre[Attr.CHUNK], pre[Attr.TOKENS_COMPUTED], pre[Attr.REQUEST_ID]) == (11, 0, 100, "cmpl-1-0")
     assert alone[Attr.STEP] == 11 and alone[Attr.STEP_PREFILL_TOKENS] == 100 and alone[Attr.STEP_DECODE_TOKENS] == 1
     assert waited[Attr.STEP] == 12 and waited[Attr.WAITING] == 2 and Attr.STEP_COUNT not in waited

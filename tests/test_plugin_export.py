@@ -15,6 +15,74 @@ from ttftscope.collector.otel_setup import BoundedBatchSpanProcessor, DeferredSp
 from ttftscope.collector.span_wire import OtlpHttpPoster
 
 
+def test_sdk_spans_written_directly_are_the_sdk_encoders_message():
+    """vLLM's own spans (SDK ``ReadableSpan``s) written by ``span_wire.sdk_request`` parse into
+    exactly the message the SDK's OTLP encoder builds: kinds, remote and local parents, trace
+    state, status with and without a description, every scalar value type, two resources and
+    two scopes (one with a schema URL), a span with no scope; a span with an event, a link or an
+    array value is left to the SDK's encoder (None)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+    from opentelemetry.trace import (
+        NonRecordingSpan,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TraceFlags,
+        TraceState,
+    )
+
+    ended = []
+
+    class Keep(SpanProcessor):
+        def on_end(self, span):
+            ended.append(span)
+
+    def provider(attrs: dict, schema_url: str = "") -> TracerProvider:
+        p = TracerProvider(resource=Resource(attrs, schema_url))
+        p.add_span_processor(Keep())
+        return p
+
+    a = provider({"service.name": "vllm", "vllm.process_id": "42", "n": 3}, "https://opentelemetry.io/schemas/1.21.0")
+    b = provider({"service.name": "other", "ok": True})
+    remote = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+        0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, is_remote=True, trace_flags=TraceFlags(1),
+        trace_state=TraceState([("vendor", "v1"), ("k", "x")]))))
+    vllm = a.get_tracer("vllm.entrypoints", "0.32.0", schema_url="https://example.com/s")
+    req = vllm.start_span("llm_request", context=remote, kind=SpanKind.SERVER, start_time=1_700_000_000_000_000_001,
+                          attributes={"gen_ai.usage.prompt_tokens": 130, "gen_ai.latency.time_in_queue": 0.0123,
+                                      "gen_ai.request.id": "cmpl-é" * 3, "gen_ai.request.top_p": 1.0,
+                                      "neg": -7, "big": 2**62, "flag": False, "long": "x" * 300})
+    child = vllm.start_span("child", context=trace.set_span_in_context(req), kind=SpanKind.CLIENT)
+    child.set_status(Status(StatusCode.ERROR, "engine dead"))
+    child.end(end_time=1_700_000_000_500_000_000)
+    req.set_status(Status(StatusCode.OK))
+    req.end(end_time=1_700_000_001_000_000_000)
+    root = b.get_tracer("").start_span("process", kind=SpanKind.INTERNAL)  # no scope name or version
+    root.end()
+    other = a.get_tracer("ttftscope.vllm").start_span("step", kind=SpanKind.PRODUCER, attributes={"x": 1})
+    other.end()
+    spans = list(ended)
+    mine = W.sdk_request(spans)
+    assert mine is not None
+    assert ExportTraceServiceRequest.FromString(mine) == encode_spans(spans)
+    assert ExportTraceServiceRequest.FromString(mine + W.sdk_request(spans[:1])) == ExportTraceServiceRequest(
+        resource_spans=[*encode_spans(spans).resource_spans, *encode_spans(spans[:1]).resource_spans])
+
+    tracer = a.get_tracer("t")
+    with_event = tracer.start_span("e")
+    with_event.add_event("boom")
+    with_event.end()
+    array = tracer.start_span("a", attributes={"ids": (1, 2, 3)})
+    array.end()
+    linked = tracer.start_span("l", links=[trace.Link(req.get_span_context())])
+    linked.end()
+    for s in ended[-3:]:
+        assert isinstance(s, ReadableSpan) and W.sdk_request([*spans, s]) is None, s.name
+
+
 @pytest.mark.parametrize("transport", ["poster", "poster-gzip", "sdk-client"])
 def test_deferred_and_sdk_spans_arrive_intact(collector_factory, transport):
     """Through the plugin's own poster (http.client; gzip from OTEL_EXPORTER_OTLP_COMPRESSION)

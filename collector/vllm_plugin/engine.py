@@ -23,10 +23,13 @@ from ttftscope.schemas.vocabulary import (
 
 from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready
-from .runtime import RT, at_exit, ext_id, guard, log, sampled, set_model, span
+from .runtime import RT, at_exit, ext_id_of, group, guard, log, sampled, set_model, span
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 _REQ = "vllm.v1.request"
+
+
+_INTAKE, _QUEUE, _PREFILL = Phase.INTAKE.value, Phase.QUEUE.value, Phase.PREFILL.value
 
 
 @dataclass(slots=True)
@@ -38,8 +41,39 @@ class Chunk:
     cached: int
     index: int
     trace_headers: dict
-    request_id: str
+    external_id: str | None  # the client's id when vLLM keeps it (else derived from req_id)
     prefix_hash: PrefixHashes | None
+
+
+# Span attributes are built on the export thread (``DeferredSpans``' lazy ``(build, args)``):
+# the engine loop keeps the plain values these take.
+
+def _intake_attrs(req_id: str, external: str | None) -> dict:
+    return {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _INTAKE}
+
+
+def _queue_attrs(req_id: str, external: str | None, priority) -> dict:
+    return {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _QUEUE, Attr.PRIORITY: str(priority)}
+
+
+def _prefill_attrs(c: Chunk, step: int, batch: int, engine: str, ph: PrefixHashes | None) -> dict:
+    attrs = {Attr.REQUEST_ID: ext_id_of(c.req_id, c.external_id), Attr.PHASE: _PREFILL, Attr.STEP: step,
+             Attr.CHUNK: c.index, Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached,
+             Attr.BATCH_SIZE: batch, Attr.ENGINE: engine}
+    if ph is not None:
+        attrs[Attr.PREFIX_HASH] = ph
+        attrs[Attr.PREFIX_CHAIN] = ph.chain
+    return attrs
+
+
+def _step_attrs(step: int, prefill_tokens: int, total: int, running: int, waiting: int, batch: int, engine: str,
+                anatomy: tuple, max_num_seqs) -> dict:
+    attrs = {Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens,
+             Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0), Attr.RUNNING: running, Attr.WAITING: waiting,
+             Attr.BATCH_SIZE: batch, Attr.ENGINE: engine, **_anatomy_attrs(*anatomy)}
+    if waiting:
+        attrs[Attr.MAX_NUM_SEQS] = max_num_seqs
+    return attrs
 
 
 class PrefixHashes:
@@ -89,7 +123,7 @@ class _ChainOf:
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
-#: (step, t0, t1, chunks, batch, running, waiting, total scheduled tokens)
+#: (step, t0, t1, prefill work (``_prefill_work``) or None, running, waiting)
 PendingStep = tuple
 
 
@@ -228,7 +262,8 @@ def _on_add(st: EngineState, request) -> None:
         return
     sent = float(sent)  # intake: the API server's handoff -> the scheduler has it (IPC + engine loop wait)
     if sent < now:
-        span(SpanName.INTAKE, sent, now, {Attr.REQUEST_ID: ext_id(request), Attr.PHASE: Phase.INTAKE.value}, th)
+        span(SpanName.INTAKE, sent, now,
+             (_intake_attrs, (request.request_id, getattr(request, "external_req_id", None))), th)
 
 
 def _cached_tokens(req, before: int, index: int) -> int:
@@ -246,31 +281,33 @@ def _cached_tokens(req, before: int, index: int) -> int:
 @guard("schedule")
 def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     """Runs on the engine loop every step: a decode-only step (no new request, no prefill in
-    progress) costs a counter, a tuple and a dict entry; everything else waits for requests."""
+    progress) costs a counter and a tuple; a step with prefill work gathers its chunks' plain
+    values (the spans are built on the export thread)."""
     st.step = step = st.step + 1
     try:
         object.__setattr__(out, "_ttftscope_step", step)  # travels with the output to the workers
     except Exception:  # noqa: BLE001
         pass
     new = out.scheduled_new_reqs
-    chunks = _chunks(st, sched, out, t0) if new or st.chunks else ()
+    work = _prefill_work(st, sched, out, new) if new or st.chunks else None
     pending = st.pending
-    pending[id(out)] = (step, t0, t1, chunks, len(out.num_scheduled_tokens), len(sched.running), len(sched.waiting),
-                        out.total_num_scheduled_tokens)
+    pending[id(out)] = (step, t0, t1, work, len(sched.running), len(sched.waiting))
     if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 
 
-def _chunks(st: EngineState, sched, out, t0: float) -> list[Chunk]:
-    """The prefill chunks of this step, and the queue spans of requests scheduled for the
-    first time. Only a new request, or one whose prefill is still in progress (in
+def _prefill_work(st: EngineState, sched, out, new) -> tuple[list[Chunk], list[tuple]] | None:
+    """The prefill chunks of this step, and the queue waits of requests scheduled for the
+    first time ``(queued at, request id, external id, priority, trace headers)``; None when
+    there are neither. Only a new request, or one whose prefill is still in progress (in
     ``st.chunks``), can compute prompt tokens: no Python per running request."""
     chunks = []
     ns = out.num_scheduled_tokens
-    new = out.scheduled_new_reqs or ()
-    for req_id in dict.fromkeys([*(nr.req_id for nr in new), *st.chunks]):
+    requests = sched.requests
+    for req_id in (dict.fromkeys([*(nr.req_id for nr in new), *st.chunks]) if st.chunks else
+                   [nr.req_id for nr in new]):
         n = ns.get(req_id)
-        req = sched.requests.get(req_id)
+        req = requests.get(req_id)
         if req is None:
             st.chunks.pop(req_id, None)  # finished or aborted mid-prefill
             continue
@@ -279,21 +316,27 @@ def _chunks(st: EngineState, sched, out, t0: float) -> list[Chunk]:
         before = req.num_computed_tokens - n  # schedule() already advanced it
         if before < req.num_prompt_tokens:  # a prefill chunk
             idx = st.chunks.get(req_id, 0)
-            st.chunks[req_id] = idx + 1
+            if before + n < req.num_prompt_tokens:
+                st.chunks[req_id] = idx + 1
+            else:  # its last chunk
+                st.chunks.pop(req_id, None)
             phash = None
             if idx == 0:
                 toks = req.prompt_token_ids
                 if toks is not None and len(toks) >= PREFIX_BLOCK:
                     phash = PrefixHashes(toks)  # hashed on the export thread, not on the engine loop
-            chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers, ext_id(req), phash))
-    for nr in new:
-        req = sched.requests.get(nr.req_id)
+            chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers,
+                                getattr(req, "external_req_id", None), phash))
+    queued = []
+    if new:
         with st.lock:
-            q = st.queued.pop(nr.req_id, None)
-        if q is not None and req is not None:
-            span(SpanName.QUEUE, q, t0, {Attr.REQUEST_ID: ext_id(req), Attr.PHASE: Phase.QUEUE.value,
-                                         Attr.PRIORITY: str(req.priority)}, req.trace_headers)
-    return chunks
+            waited = [(nr.req_id, st.queued.pop(nr.req_id, None)) for nr in new]
+        for req_id, q in waited:
+            req = requests.get(req_id)
+            if q is not None and req is not None:
+                queued.append((q, req.request_id, getattr(req, "external_req_id", None), req.priority,
+                               req.trace_headers))
+    return (chunks, queued) if chunks or queued else None
 
 
 def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float) -> dict:
@@ -311,12 +354,13 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
     prev_end, st.last_end = st.last_end, t_u1
     if p is None:
         return
-    step, t0, t1, chunks, batch, running, waiting, total = p
+    step, t0, t1, work, running, waiting = p
+    total = out.total_num_scheduled_tokens
     sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
     idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
-    if not total:
-        return
-    if not chunks and not waiting:
+    if work is None and not waiting:
+        if not total:
+            return
         # decode-only steps with nobody waiting cannot delay a first token: merge runs of them
         # into one span (the timeline stays continuous at a fraction of the cost)
         with st.lock:
@@ -335,32 +379,32 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
         if full:
             flush_decode_run(st)
         return
-    _close_step(st, sched, p, t_u0, t_u1, (sched_s, exec_s, upd_s, idle_s))
-
-
-def _close_step(st: EngineState, sched, p: PendingStep, t_u0: float, t_u1: float, anatomy: tuple) -> None:
-    """A step with prefill chunks or requests waiting: its chunks' spans and its own."""
-    step, t0, t1, chunks, batch, running, waiting, total = p
-    prefill_tokens = sum(c.tokens for c in chunks)
-    for c in chunks:
-        attrs = {Attr.REQUEST_ID: c.request_id, Attr.PHASE: Phase.PREFILL.value, Attr.STEP: step, Attr.CHUNK: c.index,
-                 Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached, Attr.BATCH_SIZE: batch,
-                 Attr.ENGINE: st.engine}
-        if c.prefix_hash is not None:
-            ph = c.prefix_hash.freeze() if _export_backed_up() else c.prefix_hash
-            attrs[Attr.PREFIX_HASH] = ph
-            attrs[Attr.PREFIX_CHAIN] = ph.chain
-        span(SpanName.PREFILL, t1, t_u0, attrs, c.trace_headers)
-        req = sched.requests.get(c.req_id)
-        if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
-            st.chunks.pop(c.req_id, None)
     flush_decode_run(st)
-    attrs = {Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens,
-             Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0), Attr.RUNNING: running, Attr.WAITING: waiting,
-             Attr.BATCH_SIZE: batch, Attr.ENGINE: st.engine, **_anatomy_attrs(*anatomy)}
-    if waiting:
-        attrs[Attr.MAX_NUM_SEQS] = sched.max_num_running_reqs
-    span(SpanName.STEP, t0, t_u1, attrs)
+    if work is not None and any(c.prefix_hash is not None for c in work[0]) and _export_backed_up():
+        for c in work[0]:  # let the prompts go now: the queue may hold these spans a long time
+            if c.prefix_hash is not None:
+                c.prefix_hash.freeze()
+    group(_step_spans, (step, t0, t1, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting, total,
+                        st.engine, (sched_s, exec_s, upd_s, idle_s), sched.max_num_running_reqs if waiting else None))
+
+
+def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work, batch: int, running: int,
+                waiting: int, total: int, engine: str, anatomy: tuple, max_num_seqs) -> list[tuple]:
+    """A step with prefill work or requests waiting, as spans (on the export thread): the
+    queue waits that ended at its schedule, its prefill chunks (execute: [t1, t_u0]), and the
+    step itself."""
+    out = []
+    chunks, queued = work or ((), ())
+    for q, req_id, external, priority, headers in queued:
+        out.append((SpanName.QUEUE, q, t0, _queue_attrs(req_id, external, priority), headers))
+    for c in chunks:
+        out.append((SpanName.PREFILL, t1, t_u0, _prefill_attrs(c, step, batch, engine, c.prefix_hash),
+                    c.trace_headers))
+    if total:
+        prefill_tokens = sum(c.tokens for c in chunks)
+        out.append((SpanName.STEP, t0, t_u1, _step_attrs(step, prefill_tokens, total, running, waiting, batch, engine,
+                                                          anatomy, max_num_seqs), None))
+    return out
 
 
 def _export_backed_up() -> bool:
@@ -378,7 +422,10 @@ def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
         if r is None or (idle_s is not None and time.time() - r.end < idle_s):
             return
         st.decode_run = None
-    span(SpanName.STEP, r.start, r.end, {
-        Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
-        Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: 0, Attr.ENGINE: st.engine,
-        **_anatomy_attrs(r.schedule, r.execute, r.update, r.idle)})
+    span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, st.engine)))
+
+
+def _run_attrs(r: DecodeRun, engine: str) -> dict:
+    return {Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
+            Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: 0, Attr.ENGINE: engine,
+            **_anatomy_attrs(r.schedule, r.execute, r.update, r.idle)}

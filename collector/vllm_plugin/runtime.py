@@ -11,7 +11,7 @@ import random
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ class Runtime:
     hooks_s: float = 0.0  # CPU of hook bodies (TTFTSCOPE_SELF_TIMING)
     hooks_wall_s: float = 0.0  # their wall time, GIL waits included
     hook_calls: int = 0
+    per_hook: dict = field(default_factory=dict)  # hook name -> [calls, CPU seconds]
 
 
 RT = Runtime(PluginConfig.from_env())  # configuration is read once, at import
@@ -64,6 +65,8 @@ def guard(name: str):
         if not RT.config.self_timing_dir:
             return wrapper
 
+        mine = RT.per_hook.setdefault(name, [0, 0.0])
+
         @functools.wraps(fn)
         def timed(*a, **kw):
             # the hook's CPU (this thread's) and its wall time: the difference is time it waited
@@ -73,8 +76,11 @@ def guard(name: str):
                 return wrapper(*a, **kw)
             finally:
                 RT.hooks_wall_s += time.perf_counter() - t
-                RT.hooks_s += time.thread_time() - c
+                cpu = time.thread_time() - c
+                RT.hooks_s += cpu
                 RT.hook_calls += 1
+                mine[0] += 1
+                mine[1] += cpu
         return timed
     return deco
 
@@ -85,6 +91,14 @@ def span(name: str, start_s: float, end_s: float, attrs: dict, parent=None) -> N
     d = RT.deferred
     if d is not None:
         d.add(name, start_s, end_s, attrs, parent)
+
+
+def group(build, args: tuple) -> None:
+    """Record several finished spans at once: ``build(*args)`` makes their records on the
+    export thread (one append here)."""
+    d = RT.deferred
+    if d is not None:
+        d.group(build, args)
 
 
 def sampled(trace_headers) -> bool:
@@ -100,10 +114,10 @@ def new_traceparent() -> str:
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
-def ext_id(req) -> str:
-    """The request id the client and the API server see (the engine adds a random suffix)."""
-    ext = getattr(req, "external_req_id", None)  # not on every vLLM request object: optional
-    return ext or _INTERNAL_SUFFIX.sub("", req.request_id)
+def ext_id_of(request_id: str, external: str | None) -> str:
+    """The request id the client and the API server see: vLLM's ``external_req_id`` where its
+    request has one, else the engine's id without the random suffix it adds."""
+    return external or _INTERNAL_SUFFIX.sub("", request_id)
 
 
 def _poster(cfg: PluginConfig):
@@ -215,7 +229,8 @@ def self_timing_writer(role: str) -> None:
         proc = RT.processor
         doc = {"role": role, "pid": os.getpid(), "wall": time.time(), "process_cpu_s": time.process_time(),
                "hooks_s": RT.hooks_s, "hooks_wall_s": RT.hooks_wall_s, "hook_calls": RT.hook_calls,
-               "export_cpu_s": getattr(proc, "cpu_s", 0.0), "exported": getattr(proc, "exported", 0)}
+               "export_cpu_s": getattr(proc, "cpu_s", 0.0), "exported": getattr(proc, "exported", 0),
+               "per_hook": {k: list(v) for k, v in RT.per_hook.items()}}
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, out)
