@@ -150,9 +150,33 @@ def test_collector_on_a_store_without_manifest_keeps_the_data(collector_factory,
 
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"format": "ttftscope-embedded", "parts": null}',
                                      b'{"format": "ttftscope-embedded", "generation": 3}', b"[]"])
-def test_corrupt_manifest_is_a_clear_error_then_repaired(tmp_path, collector_factory, content):
+def test_every_corrupt_manifest_is_a_clear_error_then_repaired(tmp_path, content):
+    """In the store every command opens (the CLI's path is the next test): each kind of damage
+    is a StoreError that says how to repair, `check` reports it, `check --repair` rebuilds the
+    manifest from the parts, and every acknowledged span is there exactly once."""
+    from ttftscope.schemas.store import open_store
+    from ttftscope.schemas.store.base import StoreError
+    from ttftscope.schemas.store.embedded import REPAIR_HINT, EmbeddedStore
+
     path, acked = _filled_store(tmp_path)
     (Path(path) / "manifest.json").write_bytes(content)
+    with pytest.raises(StoreError, match="store check --repair") as e:
+        open_store(path, create=False).query_arrow("SELECT count() FROM otel_traces")
+    assert REPAIR_HINT in str(e.value)
+    report = EmbeddedStore.for_check(path).check()
+    assert report["problems"] and "manifest" in report["problems"][0] and not report["repaired"]
+    fixed = EmbeddedStore.for_check(path).check(repair=True)
+    assert fixed["repaired"] == ["manifest rebuilt from the parts"], fixed
+    _exact(path, acked)
+    assert not EmbeddedStore.for_check(path).check()["problems"]
+
+
+def test_corrupt_manifest_is_a_clear_error_in_every_command_then_repaired(tmp_path):
+    """As a user meets it: sql and analyze fail with the repair hint and no traceback, the
+    collector refuses to start instead of acknowledging what it could never write, `store check`
+    says so, `store check --repair` rebuilds the manifest and nothing acknowledged is lost."""
+    path, acked = _filled_store(tmp_path)
+    (Path(path) / "manifest.json").write_bytes(b"{not json")
     r = subprocess.run([PY, "-m", "ttftscope", "sql", "--store", path, "SELECT count() FROM otel_traces"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -160,7 +184,6 @@ def test_corrupt_manifest_is_a_clear_error_then_repaired(tmp_path, collector_fac
     r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", path, "--last", "1h"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
-    # the collector refuses to start instead of acknowledging what it could never write
     port = free_port()
     r = subprocess.run([PY, "-m", "ttftscope", "collect", "--store", path, "--listen", f"127.0.0.1:{port}",
                         "--spool", str(tmp_path / "sp")], capture_output=True, text=True, cwd=ROOT, timeout=120)

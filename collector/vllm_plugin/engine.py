@@ -23,7 +23,18 @@ from ttftscope.schemas.vocabulary import (
 
 from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready
-from .runtime import RT, at_exit, ext_id_of, group, guard, log, sampled, set_model, span
+from .runtime import (
+    RT,
+    at_exit,
+    ext_id_of,
+    group,
+    guard,
+    log,
+    sampled,
+    set_model,
+    span,
+    timing_floor,
+)
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 _REQ = "vllm.v1.request"
@@ -203,11 +214,15 @@ def _install_scheduler() -> None:
         _on_add(ST, request)
         return orig_add(self, request)
 
+    floor = timing_floor if RT.config.self_timing_dir else None
+
     @functools.wraps(orig_schedule)
     def schedule(self, *a, **kw):
         t0 = time.time()
         out = orig_schedule(self, *a, **kw)
         _on_schedule(ST, self, out, t0, time.time())
+        if floor is not None:
+            floor(ST, self, out, t0, t0)
         return out
 
     @functools.wraps(orig_update)

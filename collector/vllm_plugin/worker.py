@@ -24,7 +24,7 @@ from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
 
 from .adapters import WORKER, Internal, adapter
 from .coldstart import emit_process_ready
-from .runtime import RT, guard, log, set_model, span
+from .runtime import RT, guard, log, set_model, span, timing_floor
 
 _GPU_WORKER = "vllm.v1.worker.gpu_worker"
 _CPU_COMM = "vllm.distributed.device_communicators.cpu_communicator"
@@ -147,9 +147,13 @@ def _install_worker_steps() -> None:
     WS.profile_every = RT.config.profile_every
     orig = gpu_worker.Worker.execute_model  # CPUWorker inherits it
 
+    floor = timing_floor if RT.config.self_timing_dir else None
+
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *a, **kw):
         _on_exec_start(WS, scheduler_output)
+        if floor is not None:
+            floor(WS, scheduler_output)
         try:
             if _profile_now(WS):
                 return _profiled(WS, orig, self, scheduler_output, *a, **kw)
