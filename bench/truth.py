@@ -12,6 +12,8 @@ test-only vLLM plugin in tests/planted, or a flag:
            (its own baseline, not the clean run) (chunk_budget)
   seats    three clients keep 80-token decodes running at --max-num-seqs 2 while measured
            requests arrive, against the same load at 128 seats (queue_dominates)
+  burst    three bursts of 12 requests (32 tokens each) at once at --max-num-seqs 2, against
+           the same bursts at 128 seats (queue_dominates)
   allreduce  TP=2 (eager), every all-reduce 6 ms slower from mid-run: the same requests before
            the switch are the baseline (allreduce_dominates)
 
@@ -43,6 +45,7 @@ from support.truth import (  # noqa: E402
     PLANTED,
     STALL_MS,
     TOKENIZE_US_PER_TOKEN,
+    drive_burst,
     drive_busy,
     drive_long,
     drive_switched,
@@ -64,6 +67,8 @@ SCENARIOS = {  # name -> (server env, extra vLLM flags, the load, its own baseli
     # decodes holding every seat, against the same load with room
     "seats": ({}, ["--max-num-seqs", "2"], functools.partial(drive_busy, bg_tokens=80, n=12, clients=3),
               ["--max-num-seqs", "128"], "queue_dominates"),
+    # more requests at once than seats, against the same bursts with room
+    "burst": ({}, ["--max-num-seqs", "2"], drive_burst, ["--max-num-seqs", "128"], "queue_dominates"),
     # slow collectives switched on mid-run: the part before is the baseline (SWITCHED)
     "allreduce": ({"PYTHONPATH": str(PLANTED), "PLANTED_ALLREDUCE_MS": str(ALLREDUCE_MS)}, None, drive_switched,
                   "switched", "allreduce_dominates"),
