@@ -29,6 +29,7 @@ PLANTED = ROOT / "tests" / "planted"  # the test-only vLLM plugin that plants a 
 STALL_MS = 25.0
 TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts' median
 ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
+FIRST_STEPS_MS, FIRST_STEPS = 150.0, 20  # planted on the first steps after start: ~5 requests of 4 tokens
 SHARED = prompt_of(300, 999)
 
 
@@ -163,6 +164,18 @@ def drive_seats(srv: VllmServer) -> list[dict]:
         until = time.time()
         out += [{**r, "part": part, "since": since, "until": until} for r in rows]
         time.sleep(1.0)
+    return out
+
+
+def drive_cold(srv: VllmServer, n: int = 25) -> list[dict]:
+    """Straight after start, no warm-up: ``n`` streaming requests one at a time (60-token
+    prompts, 4 tokens each), each row with its ``order``."""
+    out = []
+    for i in range(n):
+        t, rid = client_ttft(srv.port, srv.model, prompt_of(60, 1200 + i), True)
+        out.append({"rid": rid, "client_ms": t * 1e3, "client_cpu_wait_ms": CLIENT_CPU_WAIT_MS[-1], "stream": True,
+                    "order": i})
+        time.sleep(0.05)
     return out
 
 

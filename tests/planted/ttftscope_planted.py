@@ -17,6 +17,9 @@ by environment variables, read in the process where the cause belongs:
   exists (a slow interconnect), inside the collective (under the communicator's
   ``all_reduce``, where ttftscope times it in eager mode). The flag lets one server run
   clean, then slowed.
+* ``PLANTED_FIRST_STEPS_MS`` with ``PLANTED_FIRST_STEPS`` (a count): the first that many
+  worker steps that carry requests take this much longer (one-off initialisation that the
+  first requests after a start pay: lazy kernels, allocator growth, caches warming).
 """
 
 from __future__ import annotations
@@ -87,6 +90,25 @@ def _slow_allreduce(ms: float, flag: str) -> None:
     cc.CpuCommunicator.__init__ = init
 
 
+def _slow_first_steps(ms: float, n: int) -> None:
+    from vllm.v1.worker import gpu_worker
+
+    orig = gpu_worker.Worker.execute_model
+    if getattr(orig, "_planted", False):
+        return
+    left = [n]
+
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *a, **kw):
+        if left[0] > 0 and getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            left[0] -= 1
+            time.sleep(ms / 1000)
+        return orig(self, scheduler_output, *a, **kw)
+
+    execute_model._planted = True
+    gpu_worker.Worker.execute_model = execute_model
+
+
 def register() -> None:
     execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
     update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
@@ -98,6 +120,9 @@ def register() -> None:
         from vllm.v1.core.sched import scheduler
 
         _slow(scheduler.Scheduler, "update_from_output", update)  # only the engine core calls it
+    first_ms = float(os.environ.get("PLANTED_FIRST_STEPS_MS", "0") or 0)
+    if first_ms > 0:
+        _slow_first_steps(first_ms, int(os.environ.get("PLANTED_FIRST_STEPS", "0") or 0))
     allreduce, flag = float(os.environ.get("PLANTED_ALLREDUCE_MS", "0") or 0), os.environ.get("PLANTED_ALLREDUCE_FLAG")
     if allreduce > 0 and flag:
         _slow_allreduce(allreduce, flag)

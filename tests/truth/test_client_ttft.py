@@ -80,11 +80,12 @@ def test_report_ttft_is_the_clients_per_request(clean):
     # What the server cannot see: the client's connect and send, its own parse of the chunk,
     # and the time the request's bytes wait in the socket before uvicorn's event loop reads
     # them (the window opens at that read: the http-arrival adapter). Measured here: ~1 ms.
-    # Per request (issue 11's cross-check): within max(2 ms, 5%) but for a few that the client
-    # alone saw 5-20 ms later (on two cores shared with vLLM's three busy processes; not bytes
-    # held in the server's kernel, checked with TCP_INFO, and not Nagle: NODELAY, one send).
-    close = (diff <= (df["client_ms"] * 0.05).clip(lower_bound=2.0)).mean()
-    assert close >= 0.75, (diff.to_list(), df["client_ms"].to_list())
+    # Per request (issue 11's cross-check): every one within max(2 ms, 5%). The stopwatch runs
+    # where the CPU scheduler serves it first (support/stopwatch.py): at normal priority, on two
+    # cores vLLM keeps busy, it waited for a CPU 5-20 ms in a few requests of every run.
+    assert df["client_cpu_wait_ms"].max() < 2.0, "the stopwatch was served a CPU when it needed one"
+    close = diff <= (df["client_ms"] * 0.05).clip(lower_bound=2.0)
+    assert close.all(), (diff.to_list(), df["client_ms"].to_list())
     assert diff.median() <= 1.5, diff.describe()
     assert abs(_ms(df, "ttft") - _ms(df, "client_ms")) <= max(3.0, 0.1 * _ms(df, "client_ms"))
     # vLLM's own TTFT is a narrower window inside it
