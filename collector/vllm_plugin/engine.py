@@ -395,6 +395,8 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
             flush_decode_run(st)
         return
     flush_decode_run(st)
+    if work is None and not total:  # requests waiting, nothing scheduled: no span (as before)
+        return
     if work is not None and any(c.prefix_hash is not None for c in work[0]) and _export_backed_up():
         for c in work[0]:  # let the prompts go now: the queue may hold these spans a long time
             if c.prefix_hash is not None:
