@@ -2,8 +2,11 @@
 that times every request itself, and the report read back.
 
 The client: streaming, until the first SSE chunk carrying a token has arrived; non-streaming,
-until the whole response has. Faults are planted by the test-only vLLM plugin in tests/planted
-(never shipped). Used by tests/truth/ and bench/truth.py.
+until the whole response has; timed in a process of its own that the CPU scheduler serves
+first (support/stopwatch.py: on two cores that vLLM keeps busy, a client at normal priority
+times its own wait for a CPU), which reports that wait with every request. Faults are planted
+by the test-only vLLM plugin in tests/planted (never shipped). Used by tests/truth/ and
+bench/truth.py.
 """
 
 from __future__ import annotations
