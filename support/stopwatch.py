@@ -2,10 +2,9 @@
 
 On a machine where vLLM keeps every core busy (its engine loop and the CPU worker's threads
 never sleep while requests run), a client timing requests at normal priority waits for a
-CPU, sometimes for hundreds of milliseconds, between sending a request and reading its
-answer: its stopwatch then measures its own wait, not the server (seen under the seats load:
-client TTFT 300-1650 ms against 10-300 ms in the server's window, the client process
-waiting that long on a run queue while it ran ~1 ms). A witness must not depend on that.
+CPU between sending a request and reading its answer: its stopwatch then measures its own
+wait on a run queue, not the server (README: how long, under which load). A witness must not
+depend on that.
 
 This process asks for real-time scheduling (``SCHED_FIFO``; it blocks on sockets and uses
 ~1 ms of CPU a request, so it cannot hog a core), else a raised priority (``nice -15``),
