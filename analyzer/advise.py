@@ -81,6 +81,15 @@ _SEATS = ("Requests queue because every seat is taken (running requests, typical
           "the queue wait until a seat frees up removed from TTFT")
 
 
+#: intake_dominates when most of it is IPC, before the engine core's input thread has the request
+_IPC = ("Most of the intake is the hop from the API server to the engine core's input thread (ZMQ and "
+        "msgpack): very large requests (long prompts sent as text, many images), or an engine core process "
+        "starved of CPU (its input thread competes with the busy engine loop and workers for cores). Send token "
+        "ids instead of long texts, keep a core free for the engine core, or add API-server processes "
+        "(`--api-server-count`) if one process serialises for many.",
+        "intake back to the IPC cost of a small request (well under a ms)")
+
+
 def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
     out, seen = [], set()
     for f in findings:
@@ -90,6 +99,8 @@ def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
         what, effect = _ADVICE[f["kind"]]
         if f["evidence"].get("all_seats_held"):  # a queue behind running requests (bottlenecks.seats)
             what, effect = _SEATS
+        if f["evidence"].get("ipc_share", 0.0) > 0.5:  # intake mostly before the engine core had it
+            what, effect = _IPC
         out.append({"because": f["title"], "finding": f["kind"], "severity": f["severity"], "change": what,
                     "expected_effect": effect, "expected_effect_ms": f.get("impact_ms"), "evidence": {k: v for k, v in f["evidence"].items()
                                                             if k in ("request_ids", "trace_ids")}})

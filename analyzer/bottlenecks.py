@@ -57,12 +57,26 @@ def phase_dominance(ctx: Context) -> list[Finding]:
             if extra.get("all_seats_held"):
                 title += (f": while requests waited, all {extra['seats']} seats (--max-num-seqs) were held by "
                           f"running requests in {extra['full_share']:.0%} of steps")
+        if phase == "intake" and sev and "intake_ipc" in df.columns and df["intake_ipc"].sum() > 0:
+            extra = intake_split(df)
+            title += (f": {extra['ipc_share']:.0%} of it IPC (API server -> engine core's input thread), the rest "
+                      f"waiting for the engine loop")
         f = _finding(f"{phase}_dominates", sev, share, "share", share, title,
                      phase=phase, share_p99_tail=share_tail, share_all=share_all,
                      p99_ttft_ms=p99, p95_ttft_ms=p95, slo_broken=slo_broken, **extra, **_slow(tail["slowest"]))
         if f:
             out.append(f)
     return out
+
+
+def intake_split(df: pl.DataFrame) -> dict:
+    """Of intake: the share before the engine core's input thread had the request (IPC and
+    decoding) and the median of each part per request (ms)."""
+    r = df.select(pl.col("intake").sum().alias("all"), pl.col("intake_ipc").sum().alias("ipc"),
+                  (pl.col("intake_ipc").median() / 1e6).alias("ipc_p50"),
+                  ((pl.col("intake") - pl.col("intake_ipc")).median() / 1e6).alias("wait_p50")).row(0, named=True)
+    return {"ipc_share": r["ipc"] / r["all"] if r["all"] else 0.0, "ipc_ms_p50": r["ipc_p50"],
+            "loop_wait_ms_p50": r["wait_p50"]}
 
 
 def seats(ctx: Context) -> dict:

@@ -15,7 +15,9 @@ span covers is ``gap``, itself classified by its neighbours (host-side gap befor
 has the request, wait between prefill chunks, scheduling wait, delivery wait, other).
 Allreduce time is the part of each prefill chunk spent in its step's collectives (slowest
 rank), carved out of prefill. All sums are integer nanoseconds, so the phases add up to
-``ttft`` exactly.
+``ttft`` exactly. ``intake_ipc`` is the part of ``intake`` before the engine core's input
+thread had the request (IPC and decoding; the rest is the engine core's preprocessing and the
+wait for its loop), not a phase of its own.
 
 With stock vLLM only (no plugin spans), the ``llm_request`` attributes give queue and
 prefill; the rest of TTFT is ``gap`` ("everything else"), and ``coarse`` is true.
@@ -96,10 +98,12 @@ WITH
            groupArray((s.prio, s.st, s.en)) AS iv,
            sum(if(s.prio = {_P_PREFILL}, least(s.en - s.st, ifNull(ar.ar_ns, 0)), 0)) AS ar_total,
            countIf(s.prio = {_P_PREFILL}) AS chunks,
+           sum(s.ipc) AS ipc_total,
            anyIf(s.priority, s.priority != '') AS span_priority
     FROM (
       SELECT TraceId, {sweep_sql()} AS prio, toUnixTimestamp64Nano(Timestamp) AS st, st + toInt64(Duration) AS en,
-             {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, {a(Attr.PRIORITY)} AS priority
+             {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, {a(Attr.PRIORITY)} AS priority,
+             if(SpanName = {_q(SpanName.INTAKE)}, toInt64OrZero({a(Attr.INTAKE_IPC_NS)}), 0) AS ipc
       FROM otel_traces
       WHERE {is_phase_span_sql()} AND {Window.time_filter(60, 600)}
         AND TraceId IN (SELECT TraceId FROM reqs)
@@ -114,6 +118,7 @@ SELECT
   least(prefill_all, ar_total) AS allreduce,
   prefill_all - allreduce AS prefill,
   {sums},
+  least(ipc_total, intake) AS intake_ipc,
   arraySum(arrayMap((sg, q) -> if(q = {GAP_SWEEP}, sg.2 - sg.1, 0), segs, segp)) AS gap,
   arrayMap(i -> (segp[i], if(i = 1, 0, segp[i - 1]), if(i = length(segp), 0, segp[i + 1])), arrayEnumerate(segp)) AS nb,
   arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND {host}, sg.2 - sg.1, 0), segs, nb)) AS gap_host,
@@ -124,7 +129,7 @@ SELECT
 FROM (
   SELECT r.* EXCEPT (t0, TraceId) REPLACE (if(r.priority != '', r.priority, ifNull(sp.span_priority, '')) AS priority),
          r.TraceId AS TraceId,
-         sp.chunks AS chunks, sp.ar_total AS ar_total,
+         sp.chunks AS chunks, sp.ar_total AS ar_total, ifNull(sp.ipc_total, 0) AS ipc_total,
          length(sp.iv) = 0 AS coarse,
          ifNull(h.hdur, 0) > 0 AS client,
          ifNull(h.streaming, 0) AS streaming,
@@ -165,7 +170,7 @@ def decompose(store, window: Window) -> pl.DataFrame:
         pl.col("client").cast(pl.Boolean),
         pl.col("streaming").cast(pl.Boolean),
         *[pl.col(c).cast(pl.Int64) for c in ["ttft", "ttft_vllm", *PHASE_COLUMNS, *GAP_COLUMNS, "t0", "e2e", "text_wait",
-                                              "text_wait_tokens"]],
+                                              "text_wait_tokens", "intake_ipc"]],
     )
     # the engine's step period is needed only when a stream waited for a token with text
     step_ns = decode_step_ns(store, window) if df["text_wait_tokens"].max() else 0
@@ -208,7 +213,8 @@ def empty() -> pl.DataFrame:
               "prompt_tokens": pl.UInt32, "completion_tokens": pl.UInt32, "model": pl.Utf8, "version": pl.Utf8,
               "run": pl.Utf8, "priority": pl.Utf8, "e2e": pl.Int64, "chunks": pl.UInt64, "text_wait": pl.Int64,
               "text_wait_tokens": pl.Int64,
-              **{c: pl.Int64 for c in PHASE_COLUMNS + GAP_COLUMNS}, "deliver_generation": pl.Int64}
+              **{c: pl.Int64 for c in PHASE_COLUMNS + GAP_COLUMNS}, "intake_ipc": pl.Int64,
+              "deliver_generation": pl.Int64}
     return pl.DataFrame(schema=schema)
 
 

@@ -108,13 +108,17 @@ class Attr:
     #: of a deliver span: ns from the first token produced until vLLM's output processor had it
     #: (vLLM's own TTFT ends there); the rest of deliver is after vLLM's window
     DELIVER_HANDLED_NS = f"{PREFIX}.deliver.handled_ns"
+    #: of an intake span: ns from the API server's handoff until the engine core's input thread
+    #: had the request (IPC and decoding); the rest of intake is the engine core's: the input
+    #: thread's preprocessing, then the wait for the engine loop (busy in a step) to add it
+    INTAKE_IPC_NS = f"{PREFIX}.intake.ipc_ns"
 
 
-#: a trace header the plugin adds when the API server hands a request to the engine core
-#: (wall-clock seconds): the start of ``intake``
 #: the block of prompt tokens the prefix hashes are taken over, and how many blocks the chain reaches
 PREFIX_BLOCK, PREFIX_MAX_BLOCKS = 64, 64
 
+#: a trace header the plugin adds when the API server hands a request to the engine core
+#: (wall-clock seconds): the start of ``intake``
 HANDOFF_HEADER = f"{PREFIX}-handoff"
 
 

@@ -59,8 +59,11 @@ class Chunk:
 # Span attributes are built on the export thread (``DeferredSpans``' lazy ``(build, args)``):
 # the engine loop keeps the plain values these take.
 
-def _intake_attrs(req_id: str, external: str | None) -> dict:
-    return {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _INTAKE}
+def _intake_attrs(req_id: str, external: str | None, ipc_s: float | None) -> dict:
+    attrs = {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _INTAKE}
+    if ipc_s is not None:
+        attrs[Attr.INTAKE_IPC_NS] = int(ipc_s * 1e9)
+    return attrs
 
 
 def _queue_attrs(req_id: str, external: str | None, priority) -> dict:
@@ -262,6 +265,35 @@ def _name_model(core) -> None:
     set_model(core.vllm_config.model_config.served_model_name)
 
 
+#: the attribute the engine-input adapter leaves on vLLM's Request: when the input thread had it
+RECEIVED = "_ttftscope_received"
+
+
+@adapter("engine-input", roles=ENGINE,
+         what="when the engine core's input thread has a request (splits intake into IPC and the wait for the "
+              "engine loop)",
+         internals=[Internal("vllm.v1.engine.core", "EngineCore.preprocess_add_request")])
+def _install_engine_input() -> None:
+    from vllm.v1.engine import core
+
+    orig = core.EngineCore.preprocess_add_request
+
+    @functools.wraps(orig)
+    def preprocess_add_request(self, request, *a, **kw):
+        received = time.time()
+        out = orig(self, request, *a, **kw)
+        _stamp_received(out, received)
+        return out
+
+    core.EngineCore.preprocess_add_request = preprocess_add_request
+
+
+@guard("engine-input")
+def _stamp_received(out, received: float) -> None:
+    req = out[0] if isinstance(out, tuple) else out  # (Request, wave) in vLLM 0.32
+    object.__setattr__(req, RECEIVED, received)
+
+
 @guard("add_request")
 def _on_add(st: EngineState, request) -> None:
     th = request.trace_headers
@@ -277,8 +309,10 @@ def _on_add(st: EngineState, request) -> None:
         return
     sent = float(sent)  # intake: the API server's handoff -> the scheduler has it (IPC + engine loop wait)
     if sent < now:
-        span(SpanName.INTAKE, sent, now,
-             (_intake_attrs, (request.request_id, getattr(request, "external_req_id", None))), th)
+        rx = getattr(request, RECEIVED, None)  # the input thread had it (engine-input adapter)
+        span(SpanName.INTAKE, sent, now, (_intake_attrs, (request.request_id, getattr(request, "external_req_id", None),
+                                                          rx - sent if rx is not None and sent <= rx <= now else None)),
+             th)
 
 
 def _cached_tokens(req, before: int, index: int) -> int:

@@ -107,6 +107,10 @@ def test_phases_sum_exactly_and_cover_the_api_server(clean):
     assert _ms(path, "deliver") <= 2 * _ms(streams, "deliver") + 1.0, (_ms(path, "deliver"), _ms(streams, "deliver"))
     # what used to be unexplained (before vLLM's arrival, after its output processor) is covered now
     assert _ms(df, "gap") <= 0.25 * _ms(df, "ttft"), df.select(PHASE_COLUMNS).describe()
+    # an idle engine loop takes a request as soon as its input thread has it: intake is mostly the
+    # hop there (IPC); under load it is mostly the wait for the loop (the busy test below)
+    assert (df["intake_ipc"] > 0).all() and (df["intake_ipc"] <= df["intake"]).all()
+    assert df["intake_ipc"].sum() > 0.5 * df["intake"].sum(), df.select("intake", "intake_ipc")
 
 
 def test_a_delivery_stall_lands_in_deliver_with_its_size(clean, stalled):
@@ -201,6 +205,15 @@ def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_plante
     kinds = {f["kind"]: f["severity"] for f in report["findings"]}
     assert kinds.get("host_gap") in (None, "low"), kinds
     assert "intake_dominates" in kinds, kinds
+    # of intake, the hop to the engine core's input thread is small: the bulk is the wait for the
+    # engine loop, and the finding says so (its advice is the engine loop's, not the IPC's)
+    ipc = df["intake_ipc"] / 1e6
+    assert (ipc > 0).mean() >= 0.9 and (df["intake_ipc"] <= df["intake"]).all(), "the input thread's stamp"
+    assert float(ipc.median()) < 0.25 * float(df["intake"].median()) / 1e6, (ipc.to_list(), intake_ms)
+    (f,) = [f for f in report["findings"] if f["kind"] == "intake_dominates"]
+    assert f["evidence"]["ipc_share"] < 0.5 and "waiting for the engine loop" in f["title"], f
+    (a,) = [a for a in report["advice"] if a["finding"] == "intake_dominates"]
+    assert "engine loop" in a["change"] and "input thread" not in a["change"], a
     # a stream whose first token decodes to no text waits whole decode steps for one with text:
     # that wait is set apart from the delivery path, and it is at least one (planted) step long
     waited = df.filter(pl.col("deliver_generation") > 0)
