@@ -109,7 +109,9 @@ def test_phases_sum_exactly_and_cover_the_api_server(clean):
     assert _ms(df, "gap") <= 0.25 * _ms(df, "ttft"), df.select(PHASE_COLUMNS).describe()
     # an idle engine loop takes a request as soon as its input thread has it: intake is mostly the
     # hop there (IPC); under load it is mostly the wait for the loop (the busy test below)
-    assert (df["intake_ipc"] > 0).all() and (df["intake_ipc"] <= df["intake"]).all()
+    # (decompose caps the IPC part at intake: a stamp that counted anything before the handoff,
+    # or after the scheduler had the request, would show as intake_ipc == intake)
+    assert (df["intake_ipc"] > 0).all() and (df["intake_ipc"] < df["intake"]).mean() >= 0.9
     assert df["intake_ipc"].sum() > 0.5 * df["intake"].sum(), df.select("intake", "intake_ipc")
 
 
@@ -208,7 +210,7 @@ def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_plante
     # of intake, the hop to the engine core's input thread is small: the bulk is the wait for the
     # engine loop, and the finding says so (its advice is the engine loop's, not the IPC's)
     ipc = df["intake_ipc"] / 1e6
-    assert (ipc > 0).mean() >= 0.9 and (df["intake_ipc"] <= df["intake"]).all(), "the input thread's stamp"
+    assert (ipc > 0).mean() >= 0.9 and (df["intake_ipc"] < df["intake"]).mean() >= 0.9, "the input thread's stamp"
     assert float(ipc.median()) < 0.25 * float(df["intake"].median()) / 1e6, (ipc.to_list(), intake_ms)
     (f,) = [f for f in report["findings"] if f["kind"] == "intake_dominates"]
     assert f["evidence"]["ipc_share"] < 0.5 and "waiting for the engine loop" in f["title"], f
