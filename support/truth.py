@@ -58,11 +58,13 @@ class _Stopwatch:
         return answer
 
 
-def client_ttft(port: int, model: str, prompt: str, stream: bool, chat: bool = False) -> tuple[float, str]:
+def client_ttft(port: int, model: str, prompt: str, stream: bool, chat: bool = False,
+                max_tokens: int = 4) -> tuple[float, str]:
     """(seconds from sending the request to the first token in hand, response id), timed by
     the stopwatch process (support/stopwatch.py: streaming, until the first SSE chunk carrying
     a token; non-streaming, until the whole response)."""
-    a = _Stopwatch.ask({"port": port, "model": model, "prompt": prompt, "stream": stream, "chat": chat})
+    a = _Stopwatch.ask({"port": port, "model": model, "prompt": prompt, "stream": stream, "chat": chat,
+                        "max_tokens": max_tokens})
     CLIENT_CPU_WAIT_MS.append(a["cpu_wait_ms"])
     return a["s"], a["rid"]
 
@@ -185,7 +187,9 @@ def drive_cold(srv: VllmServer, n: int = 25) -> list[dict]:
 def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
     """The same requests (60-token prompts, streaming, one at a time) twice: ``part`` "clean",
     then "slowed" once ``flag`` exists (a planted fault switched on mid-run: one server, its
-    own baseline); each row has its part's ``since`` and ``until`` (epoch seconds)."""
+    own baseline); each row has its part's ``since`` and ``until`` (epoch seconds). One token
+    each: its chunk ends the request (a first token that decodes to no text would otherwise
+    make the client wait whole decode steps, which a fault in every step stretches too)."""
     srv.completion("warm up", 2)
     for stream in (True, False):
         client_ttft(srv.port, srv.model, "warm up the client", stream)
@@ -196,7 +200,7 @@ def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
             time.sleep(0.5)
         since, rows = time.time(), []
         for i in range(n):
-            t, rid = client_ttft(srv.port, srv.model, prompt_of(60, 500 + i), True)
+            t, rid = client_ttft(srv.port, srv.model, prompt_of(60, 500 + i), True, max_tokens=1)
             rows.append({"rid": rid, "client_ms": t * 1e3, "client_cpu_wait_ms": CLIENT_CPU_WAIT_MS[-1], "stream": True, "part": part, "since": since})
             time.sleep(0.05)
         until = time.time()
