@@ -377,3 +377,20 @@ def test_a_span_labelled_with_its_phase_counts_as_that_phase(tmp_path):
     m_odd.observe(odd.set_column(odd.schema.get_field_index("SpanAttributes"), "SpanAttributes",
                                  pa.array(attrs, odd.schema.field("SpanAttributes").type)))
     assert {k[0] for k in m_odd.phase.data} == {"queue"}
+
+
+def test_intake_advice_follows_the_larger_part_of_intake():
+    """The intake finding's evidence says how much of intake was IPC (before the engine core's
+    input thread had the request); the advice is the IPC's when that is most of it, else the
+    engine loop's. (Real vLLM gives the split: tests/truth/test_client_ttft.py.)"""
+    from ttftscope.analyzer.advise import advise
+
+    def advice(ipc_share: float) -> str:
+        f = {"kind": "intake_dominates", "severity": "medium", "title": "intake", "impact_ms": {"p50": 9.0},
+             "evidence": {"ipc_share": ipc_share, "request_ids": [], "trace_ids": []}}
+        (a,) = [a for a in advise([f], {}, {}) if a["finding"] == "intake_dominates"]
+        return a["change"]
+
+    loop, ipc = advice(0.1), advice(0.9)
+    assert "engine loop" in loop and "input thread" not in loop
+    assert "input thread" in ipc and ipc != loop
