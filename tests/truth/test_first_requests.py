@@ -1,14 +1,14 @@
 """Truth on real vLLM: the first requests after a start paying one-off costs are named, with their size.
 
-Two servers, the same requests straight after start (no warm-up; 25 streaming requests one
-at a time): a clean one, and one where the test-only plugin (tests/planted) makes the first 20
-worker steps that carry requests 150 ms longer (lazy initialisation the first requests pay:
-about five requests of one prefill and three decode steps each). The report on the planted
-server must name the first requests as its top finding, and what it says they lost (each
-first request's TTFT over the rest's median, ``cold_requests``' counterfactual) must be what
-the client's own stopwatch says they lost, within 15%; the clean server must not report them
-above low. The plant itself is checked against the clean server: the first five requests'
-client TTFT grew by at least two thirds of the planted 150 ms.
+A server where the test-only plugin (tests/planted) makes the first 20 worker steps that carry
+requests 150 ms longer (lazy initialisation the first requests pay: about five requests of one
+prefill and three decode steps each), driven straight after start (no warm-up; 25 streaming
+requests one at a time). The report must name the first requests as its top finding, and what
+it says they lost (each first request's TTFT over the rest's median, ``cold_requests``'
+counterfactual) must be what the client's own stopwatch says they lost, within 15%; that loss
+must be at least two thirds of the planted 150 ms (the plant reached the client). A clean start
+is not reported (tests/truth/test_client_ttft.py: the quiet server, whose first requests after
+start are in its report, has nothing above low).
 """
 
 from __future__ import annotations
@@ -22,30 +22,17 @@ pytestmark = pytest.mark.slow  # real vLLM servers
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    return served(tmp_path_factory.mktemp("cold-clean"), "cold0", drive=drive_cold)
-
-
-@pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     return served(tmp_path_factory.mktemp("cold-planted"), "cold1", drive=drive_cold,
                   env={"PYTHONPATH": str(PLANTED), "PLANTED_FIRST_STEPS_MS": str(FIRST_STEPS_MS),
                        "PLANTED_FIRST_STEPS": str(FIRST_STEPS)})
 
 
-def _first(df: pl.DataFrame, k: int = 5) -> pl.DataFrame:
-    return df.sort("order").head(k)
-
-
-def test_slow_first_steps_are_named_with_their_size(clean, planted):
+def test_slow_first_steps_are_named_with_their_size(planted):
     from ttftscope.analyzer.impact import REMOVED
 
     df, store = planted
-    base, base_store = clean
     assert df["client_cpu_wait_ms"].max() < 2.0, "the stopwatch was served a CPU when it needed one"
-    grew = float(_first(df)["client_ms"].mean() - _first(base)["client_ms"].mean())
-    print(f"the first five requests' client TTFT grew {grew:.1f} ms (planted {FIRST_STEPS_MS:.0f} ms a step)")
-    assert grew >= FIRST_STEPS_MS * 2 / 3, "the plant reached the client"
     report = analyze(store, "cold1")
     top = report["findings"][0]
     assert top["kind"] == "cold_requests", [(f["kind"], f.get("impact_ms")) for f in report["findings"]]
@@ -54,8 +41,8 @@ def test_slow_first_steps_are_named_with_their_size(clean, planted):
     claimed = df.with_columns((REMOVED["cold_requests"](top) / 1e6).alias("lost")).filter(pl.col("trace_id").is_in(ids))
     rest = df.filter(~pl.col("trace_id").is_in(ids))
     seen = float((claimed["client_ms"] - rest["client_ms"].median()).clip(lower_bound=0).mean())
-    print(f"the finding says the first requests lost {claimed['lost'].mean():.1f} ms each; the client saw {seen:.1f}")
-    assert claimed.height >= 3
+    print(f"the finding says the first requests lost {claimed['lost'].mean():.1f} ms each; the client saw {seen:.1f} "
+          f"(planted {FIRST_STEPS_MS:.0f} ms a step)")
+    assert claimed.height >= 3 and sorted(claimed["order"].to_list())[0] == 0, "the first requests, from the first"
+    assert seen >= FIRST_STEPS_MS * 2 / 3, "the plant reached the client"
     assert abs(float(claimed["lost"].mean()) - seen) <= 0.15 * seen, (claimed["lost"].to_list(), seen)
-    quiet = {f["kind"]: f["severity"] for f in analyze(base_store, "cold0")["findings"]}
-    assert quiet.get("cold_requests") in (None, "low"), quiet
