@@ -70,7 +70,8 @@ def main() -> int:
                 waiting = 3
             elif kind == "prefill":
                 r = request(i, 100)
-                new, tokens = (r,), {**tokens, r.request_id: 100}
+                new, rid = (r,), r.request_id
+                tokens = {**tokens, rid: 100}
             elif kind == "chunked":
                 if i % 8 == 0:
                     r = request(i, 800)
@@ -78,8 +79,8 @@ def main() -> int:
                 tokens = {**tokens, rid: 100}
             so = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r.request_id) for r in new],
                     total_num_scheduled_tokens=sum(tokens.values()))
-            out.append((new, so, [0] * waiting, [(r.request_id, k) for r in new for k in (tokens[r.request_id],)]
-                        if kind == "prefill" else ([(rid, 100)] if kind == "chunked" else [])))
+            advance = [(rid, tokens[rid])] if kind in ("prefill", "chunked") else []  # its prompt tokens this step
+            out.append((new, so, [0] * waiting, advance))
         return sched, out
 
     def run(kind: str, n: int, mode: str) -> float:

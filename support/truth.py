@@ -34,6 +34,7 @@ TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts
 ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
 FIRST_STEPS_MS, FIRST_STEPS = 150.0, 20  # planted on the first steps after start: ~5 requests of 4 tokens
 SHARED = prompt_of(300, 999)
+STOPWATCH = Path(__file__).with_name("stopwatch.py")
 
 
 class _Stopwatch:
@@ -48,7 +49,7 @@ class _Stopwatch:
     def ask(cls, query: dict) -> dict:
         with cls.lock:
             if cls.proc is None or cls.proc.poll() is not None:
-                cls.proc = subprocess.Popen([PY, str(Path(__file__).with_name("stopwatch.py"))], stdin=subprocess.PIPE,
+                cls.proc = subprocess.Popen([PY, str(STOPWATCH)], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, text=True, bufsize=1)
                 cls.scheduling = json.loads(cls.proc.stdout.readline())["scheduling"]
             cls.proc.stdin.write(json.dumps(query) + "\n")
@@ -58,38 +59,40 @@ class _Stopwatch:
         return answer
 
 
-def client_ttft(port: int, model: str, prompt: str, stream: bool, chat: bool = False,
-                max_tokens: int = 4) -> tuple[float, str]:
-    """(seconds from sending the request to the first token in hand, response id), timed by
-    the stopwatch process (support/stopwatch.py: streaming, until the first SSE chunk carrying
-    a token; non-streaming, until the whole response)."""
-    a = _Stopwatch.ask({"port": port, "model": model, "prompt": prompt, "stream": stream, "chat": chat,
-                        "max_tokens": max_tokens})
-    CLIENT_CPU_WAIT_MS.append(a["cpu_wait_ms"])
-    return a["s"], a["rid"]
+def client_ttft(port: int, model: str, prompt: str, stream: bool, chat: bool = False, max_tokens: int = 4) -> dict:
+    """One request timed by the stopwatch process (support/stopwatch.py: streaming, until the
+    first SSE chunk carrying a token; non-streaming, until the whole response), as a row:
+    ``rid`` (the response id), ``client_ms`` and ``client_cpu_wait_ms`` (how long the stopwatch
+    waited for a CPU meanwhile: its witness is only as good as that is small)."""
+    return _row(_Stopwatch.ask({"port": port, "model": model, "prompt": prompt, "stream": stream, "chat": chat,
+                                "max_tokens": max_tokens}))
 
 
-#: how long the stopwatch waited for a CPU in each request it timed (its witness is only as good
-#: as this is small); ``stopwatch_scheduling()`` says how it was scheduled
-CLIENT_CPU_WAIT_MS: list[float] = []
+def _row(answer: dict) -> dict:
+    return {"rid": answer["rid"], "client_ms": answer["s"] * 1e3, "client_cpu_wait_ms": answer["cpu_wait_ms"]}
 
 
 def stopwatch_scheduling() -> str:
     return _Stopwatch.scheduling
 
 
-def drive(srv: VllmServer, shared: bool = False) -> list[dict]:
+def _warm(srv: VllmServer) -> None:
+    """The server's first completion and the client's first calls, kept out of every comparison."""
     srv.completion("warm up", 2)
-    srv.stream("warm up the stream", 2)
-    for stream in (True, False):  # the client's own first calls too (kept out of the comparison)
+    for stream in (True, False):
         client_ttft(srv.port, srv.model, "warm up the client", stream)
+
+
+def drive(srv: VllmServer, shared: bool = False) -> list[dict]:
+    srv.stream("warm up the stream", 2)
+    _warm(srv)
     out = []
     for i in range(24):
         stream, chat = i % 3 != 2, i % 4 == 3
         # shared: every other prompt starts with the same 300 tokens (a system prompt)
         prompt = (SHARED + " " if shared and i % 2 == 0 else "") + prompt_of(40 + 20 * (i % 5), 100 + i)
-        t, rid = client_ttft(srv.port, srv.model, prompt, stream, chat)
-        out.append({"rid": rid, "client_ms": t * 1e3, "client_cpu_wait_ms": CLIENT_CPU_WAIT_MS[-1], "stream": stream, "shared": shared and i % 2 == 0})
+        out.append({**client_ttft(srv.port, srv.model, prompt, stream, chat), "stream": stream,
+                    "shared": shared and i % 2 == 0})
         time.sleep(0.05)
     return out
 
@@ -97,14 +100,11 @@ def drive(srv: VllmServer, shared: bool = False) -> list[dict]:
 def drive_long(srv: VllmServer, words: int = 900, n: int = 16) -> list[dict]:
     """Long prompts (``words`` words, about as many tokens), one at a time, streaming: the load
     of the prefill-budget scenario (compare a small and a large ``--max-num-batched-tokens``)."""
-    srv.completion("warm up", 2)
-    for stream in (True, False):
-        client_ttft(srv.port, srv.model, "warm up the client", stream)
+    _warm(srv)
     client_ttft(srv.port, srv.model, prompt_of(words, 5), True)  # a long one too: its first compile
     out = []
     for i in range(n):
-        t, rid = client_ttft(srv.port, srv.model, prompt_of(words, 700 + i), True)
-        out.append({"rid": rid, "client_ms": t * 1e3, "client_cpu_wait_ms": CLIENT_CPU_WAIT_MS[-1], "stream": True})
+        out.append({**client_ttft(srv.port, srv.model, prompt_of(words, 700 + i), True), "stream": True})
         time.sleep(0.05)
     return out
 
@@ -113,10 +113,8 @@ def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int =
     """Measured requests at random moments while ``clients`` other clients keep the engine
     decoding (each streams ``bg_tokens``-token completions back to back, in a process of its
     own scheduled like the stopwatch: a starved background client would lighten the load)."""
-    srv.completion("warm up", 2)
-    for stream in (True, False):
-        client_ttft(srv.port, srv.model, "warm up the client", stream)
-    bg = [subprocess.Popen([PY, str(Path(__file__).with_name("stopwatch.py")), "--load", str(srv.port), srv.model,
+    _warm(srv)
+    bg = [subprocess.Popen([PY, str(STOPWATCH), "--load", str(srv.port), srv.model,
                             str(bg_tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
           for _ in range(clients)]
     time.sleep(1.0)
@@ -125,8 +123,7 @@ def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int =
     try:
         for i in range(n):
             time.sleep(rng.uniform(0.0, 0.08))
-            t, rid = client_ttft(srv.port, srv.model, prompt_of(30, 300 + i), True)
-            out.append({"rid": rid, "client_ms": t * 1e3, "client_cpu_wait_ms": CLIENT_CPU_WAIT_MS[-1], "stream": True})
+            out.append({**client_ttft(srv.port, srv.model, prompt_of(30, 300 + i), True), "stream": True})
         dead = [p.stderr.read()[-2000:] for p in bg if p.poll() is not None]
     finally:
         for p in bg:
@@ -141,17 +138,12 @@ def drive_burst(srv: VllmServer, bursts: int = 3, size: int = 12, max_tokens: in
     """Bursts of ``size`` streaming requests sent at once (short prompts, exactly ``max_tokens``
     tokens each, read to the end: a request keeps its seat until it is done), one burst after
     the other finished: more requests at once than a small ``--max-num-seqs`` seats."""
-    srv.completion("warm up", 2)
-    for stream in (True, False):
-        client_ttft(srv.port, srv.model, "warm up the client", stream)
+    _warm(srv)
     out = []
     for b in range(bursts):
         q = [{"port": srv.port, "model": srv.model, "prompt": prompt_of(30, 900 + b * size + i), "stream": True,
               "max_tokens": max_tokens, "ignore_eos": True} for i in range(size)]
-        for a in _Stopwatch.ask({"burst": q})["burst"]:
-            CLIENT_CPU_WAIT_MS.append(a["cpu_wait_ms"])
-            out.append({"rid": a["rid"], "client_ms": a["s"] * 1e3, "client_cpu_wait_ms": a["cpu_wait_ms"],
-                        "stream": True})
+        out += [{**_row(a), "stream": True} for a in _Stopwatch.ask({"burst": q})["burst"]]
         time.sleep(0.3)
     return out
 
@@ -177,9 +169,7 @@ def drive_cold(srv: VllmServer, n: int = 25) -> list[dict]:
     prompts, 4 tokens each), each row with its ``order``."""
     out = []
     for i in range(n):
-        t, rid = client_ttft(srv.port, srv.model, prompt_of(60, 1200 + i), True)
-        out.append({"rid": rid, "client_ms": t * 1e3, "client_cpu_wait_ms": CLIENT_CPU_WAIT_MS[-1], "stream": True,
-                    "order": i})
+        out.append({**client_ttft(srv.port, srv.model, prompt_of(60, 1200 + i), True), "stream": True, "order": i})
         time.sleep(0.05)
     return out
 
@@ -190,9 +180,7 @@ def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
     own baseline); each row has its part's ``since`` and ``until`` (epoch seconds). One token
     each: its chunk ends the request (a first token that decodes to no text would otherwise
     make the client wait whole decode steps, which a fault in every step stretches too)."""
-    srv.completion("warm up", 2)
-    for stream in (True, False):
-        client_ttft(srv.port, srv.model, "warm up the client", stream)
+    _warm(srv)
     out = []
     for part in ("clean", "slowed"):
         if part == "slowed":
@@ -200,8 +188,8 @@ def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
             time.sleep(0.5)
         since, rows = time.time(), []
         for i in range(n):
-            t, rid = client_ttft(srv.port, srv.model, prompt_of(60, 500 + i), True, max_tokens=1)
-            rows.append({"rid": rid, "client_ms": t * 1e3, "client_cpu_wait_ms": CLIENT_CPU_WAIT_MS[-1], "stream": True, "part": part, "since": since})
+            rows.append({**client_ttft(srv.port, srv.model, prompt_of(60, 500 + i), True, max_tokens=1), "stream": True,
+                         "part": part, "since": since})
             time.sleep(0.05)
         until = time.time()
         out += [{**r, "until": until} for r in rows]
