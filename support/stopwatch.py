@@ -16,7 +16,8 @@ Protocol (one JSON object per line): the parent writes ``{"port", "model", "prom
 first token in hand, "rid", "cpu_wait_ms"}`` or ``{"error": ...}``; ``{"burst": [queries]}``
 sends them all at once and answers ``{"burst": [answers]}``. The first line it writes says how it is
 scheduled: ``{"scheduling": "fifo" | "nice" | "normal"}``. ``--load PORT MODEL MAX_TOKENS`` runs a
-background client at the same priority instead.
+background client at the same priority instead; it writes ``loaded`` once its first completion
+has been served, so a parent can start timing when the load is really there.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def load(port: int, model: str, max_tokens: int) -> None:
 
     _prioritize()
     rng = random.Random(os.getpid())
+    first_token(port, model, prompt_of(30, rng.randrange(1000)), True, max_tokens=max_tokens, ignore_eos=True)
+    print("loaded", flush=True)  # one whole completion served: the parent may start timing
     while True:
         first_token(port, model, prompt_of(30, rng.randrange(1000)), True, max_tokens=max_tokens, ignore_eos=True)
 

@@ -115,9 +115,16 @@ def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int =
     own scheduled like the stopwatch: a starved background client would lighten the load)."""
     _warm(srv)
     bg = [subprocess.Popen([PY, str(STOPWATCH), "--load", str(srv.port), srv.model,
-                            str(bg_tokens)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            str(bg_tokens)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
           for _ in range(clients)]
-    time.sleep(1.0)
+    # timing starts once every background client has had a whole completion served (a fixed
+    # sleep was not enough in a clean clone: the clients were still starting and no seat was taken)
+    for p in bg:
+        if p.stdout.readline().strip() != "loaded":
+            for q in bg:
+                q.terminate()
+            raise AssertionError(f"a background client failed to start: {p.stderr.read()[-2000:]}")
+    time.sleep(0.2)
     rng = random.Random(7)
     out = []
     try:
