@@ -83,14 +83,17 @@ def _warm(srv: VllmServer) -> None:
         client_ttft(srv.port, srv.model, "warm up the client", stream)
 
 
-def drive(srv: VllmServer, shared: bool = False) -> list[dict]:
-    srv.stream("warm up the stream", 2)
-    _warm(srv)
+def drive(srv: VllmServer, shared: bool = False, seed: int = 100, warm: bool = True) -> list[dict]:
+    """24 requests one at a time (streaming and not, completions and chat, 40–120-word prompts
+    drawn from ``seed`` on: another seed, prompts the prefix cache has not seen)."""
+    if warm:
+        srv.stream("warm up the stream", 2)
+        _warm(srv)
     out = []
     for i in range(24):
         stream, chat = i % 3 != 2, i % 4 == 3
         # shared: every other prompt starts with the same 300 tokens (a system prompt)
-        prompt = (SHARED + " " if shared and i % 2 == 0 else "") + prompt_of(40 + 20 * (i % 5), 100 + i)
+        prompt = (SHARED + " " if shared and i % 2 == 0 else "") + prompt_of(40 + 20 * (i % 5), seed + i)
         out.append({**client_ttft(srv.port, srv.model, prompt, stream, chat), "stream": stream,
                     "shared": shared and i % 2 == 0})
         time.sleep(0.05)
@@ -171,6 +174,47 @@ def drive_seats(srv: VllmServer) -> list[dict]:
     return out
 
 
+# the API server's faults that one server runs one after the other (tests/planted: switched on by a
+# file named after the variable in PLANTED_SWITCH_DIR), with the load each is driven with
+FAULTS = {
+    "PLANTED_DELIVER_STALL_MS": str(STALL_MS),
+    "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN),
+    "PLANTED_EXECUTE_MS": "30",
+    "PLANTED_UPDATE_MS": "10",
+}
+SWITCHED_PARTS = {  # part -> (the faults switched on, the load)
+    "clean": ((), drive),
+    "stall": (("PLANTED_DELIVER_STALL_MS",), functools.partial(drive, seed=200, warm=False)),
+    "slowtok": (("PLANTED_TOKENIZE_US_PER_TOKEN",), functools.partial(drive, seed=300, warm=False)),
+    "busy": (("PLANTED_EXECUTE_MS", "PLANTED_UPDATE_MS"), drive_busy),
+}
+
+
+def switched_env(switches: Path) -> dict:
+    """The server environment for ``drive_parts``: every fault in FAULTS planted, all switched off."""
+    switches.mkdir(parents=True, exist_ok=True)
+    return {"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(switches), **FAULTS}
+
+
+def drive_parts(srv: VllmServer, switches: Path) -> list[dict]:
+    """SWITCHED_PARTS one after the other on one server (``switched_env``): each part's faults
+    switched on, its load driven, switched off; each row with its ``part`` and the part's
+    ``since``/``until`` (epoch seconds), the window its report is read over."""
+    out = []
+    for part, (faults, load) in SWITCHED_PARTS.items():
+        for f in faults:
+            (switches / f).touch()
+        time.sleep(0.3)
+        since = time.time()
+        rows = load(srv)
+        until = time.time()
+        for f in faults:
+            (switches / f).unlink()
+        out += [{**r, "part": part, "since": since, "until": until} for r in rows]
+        time.sleep(1.0)  # the last part's stragglers (background decodes) finish outside the next window
+    return out
+
+
 def drive_cold(srv: VllmServer, n: int = 25) -> list[dict]:
     """Straight after start, no warm-up: ``n`` streaming requests one at a time (60-token
     prompts, 4 tokens each), each row with its ``order``."""
@@ -219,8 +263,15 @@ def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: li
             srv.stop()
     finally:
         assert col.terminate() == 0
-    df = decompose(open_store(col.store, create=False), Window.last(3600, run=name))
+    store = open_store(col.store, create=False)
     mine = pl.DataFrame(seen)
+    if "since" in mine.columns:  # each part over its own window, as its report reads it (a step
+        # period, a baseline, is the window's: one part's must not be averaged with another's)
+        windows = mine.select("since", "until").unique()
+        df = pl.concat([decompose(store, Window(int(a * 1e9), int(b * 1e9), run=name)) for a, b in windows.rows()],
+                       how="diagonal_relaxed")
+    else:
+        df = decompose(store, Window.last(3600, run=name))
     # the decomposition's request id is the engine's (a -0 suffix on completions)
     df = df.with_columns(pl.col("request_id").str.replace(r"-\d+$", "").alias("rid"))
     joined = mine.join(df, on="rid", how="left")

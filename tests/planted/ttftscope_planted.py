@@ -17,6 +17,10 @@ by environment variables, read in the process where the cause belongs:
   exists (a slow interconnect), inside the collective (under the communicator's
   ``all_reduce``, where ttftscope times it in eager mode). The flag lets one server run
   clean, then slowed.
+* ``PLANTED_SWITCH_DIR`` (a directory): the delivery stall, the execute and update slowness and
+  the slow tokenizer are then planted only while a file named after their variable exists there
+  (``PLANTED_DELIVER_STALL_MS`` ...), so that one server runs clean, then with one fault, then
+  another: one start-up for several scenarios, each with the same server as its baseline.
 * ``PLANTED_FIRST_STEPS_MS`` with ``PLANTED_FIRST_STEPS`` (a count): the first that many
   worker steps that carry requests take this much longer (one-off initialisation that the
   first requests after a start pay: lazy kernels, allocator growth, caches warming).
@@ -30,7 +34,16 @@ import sys
 import time
 
 
-def _slow(cls, name: str, ms: float) -> None:
+def _switch(var: str):
+    """A check for whether the fault planted by ``var`` is on now (always, without a switch dir)."""
+    where = os.environ.get("PLANTED_SWITCH_DIR")
+    if not where:
+        return lambda: True
+    path = os.path.join(where, var)
+    return lambda: os.path.exists(path)
+
+
+def _slow(cls, name: str, ms: float, on) -> None:
     orig = getattr(cls, name)
     if ms <= 0 or getattr(orig, "_planted", False):
         return
@@ -38,14 +51,15 @@ def _slow(cls, name: str, ms: float) -> None:
     @functools.wraps(orig)
     def slowed(self, *a, **kw):
         out = orig(self, *a, **kw)
-        time.sleep(ms / 1000)
+        if on():
+            time.sleep(ms / 1000)
         return out
 
     slowed._planted = True
     setattr(cls, name, slowed)
 
 
-def _slow_tokenizer(us_per_token: float) -> None:
+def _slow_tokenizer(us_per_token: float, on) -> None:
     from vllm.renderers.base import BaseRenderer
 
     orig = BaseRenderer._tokenize_prompt
@@ -55,7 +69,8 @@ def _slow_tokenizer(us_per_token: float) -> None:
     @functools.wraps(orig)
     def tokenize(self, *a, **kw):
         out = orig(self, *a, **kw)
-        time.sleep(us_per_token * len(out["prompt_token_ids"]) / 1e6)
+        if on():
+            time.sleep(us_per_token * len(out["prompt_token_ids"]) / 1e6)
         return out
 
     tokenize._planted = True
@@ -115,11 +130,11 @@ def register() -> None:
     if execute > 0:
         from vllm.v1.worker import gpu_worker
 
-        _slow(gpu_worker.Worker, "execute_model", execute)  # only workers call it
+        _slow(gpu_worker.Worker, "execute_model", execute, _switch("PLANTED_EXECUTE_MS"))  # only workers call it
     if update > 0:
         from vllm.v1.core.sched import scheduler
 
-        _slow(scheduler.Scheduler, "update_from_output", update)  # only the engine core calls it
+        _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"))  # only the engine core calls it
     first_ms = float(os.environ.get("PLANTED_FIRST_STEPS_MS", "0") or 0)
     if first_ms > 0:
         _slow_first_steps(first_ms, int(os.environ.get("PLANTED_FIRST_STEPS", "0") or 0))
@@ -130,7 +145,7 @@ def register() -> None:
         return
     per_token = float(os.environ.get("PLANTED_TOKENIZE_US_PER_TOKEN", "0") or 0)
     if per_token > 0:
-        _slow_tokenizer(per_token)
+        _slow_tokenizer(per_token, _switch("PLANTED_TOKENIZE_US_PER_TOKEN"))
     ms = float(os.environ.get("PLANTED_DELIVER_STALL_MS", "0") or 0)
     if ms <= 0:
         return
@@ -139,11 +154,13 @@ def register() -> None:
     orig = op.OutputProcessor.process_outputs
     if getattr(orig, "_planted", False):
         return
+    on = _switch("PLANTED_DELIVER_STALL_MS")
 
     @functools.wraps(orig)
     def process_outputs(self, *a, **kw):
         out = orig(self, *a, **kw)
-        time.sleep(ms / 1000)  # blocks the event loop: every stream waits
+        if on():
+            time.sleep(ms / 1000)  # blocks the event loop: every stream waits
         return out
 
     process_outputs._planted = True

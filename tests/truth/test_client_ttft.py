@@ -1,12 +1,14 @@
 """TTFT as the client sees it, checked against the client's own stopwatch on real vLLM.
 
-Four servers (vLLM's defaults, compiled): a clean one; the same load with a shared prompt
-prefix and prefix caching off; one with a planted delivery stall
-(tests/planted: the API server's event loop blocked 25 ms after every output batch, after
-vLLM's own TTFT clock stopped); one whose engine is busy (every worker step 30 ms longer, the
-engine core 10 ms longer in update_from_output) while other requests decode. The client
-times every request itself: streaming, until the first SSE chunk carrying a token has
-arrived; non-streaming, until the whole response has.
+Two servers (vLLM's defaults, compiled). One runs four scenarios one after the other, each with
+its own window (support/truth.drive_parts; tests/planted switches each fault on by a file): clean;
+a planted delivery stall (the API server's event loop blocked 25 ms after every output batch,
+after vLLM's own TTFT clock stopped); a slow tokenizer (1 ms per prompt token); a busy engine
+(every worker step 30 ms longer, the engine core 10 ms longer in update_from_output) while other
+requests decode. The same server is every fault's baseline. The other runs the clean load with a
+shared prompt prefix and prefix caching off (a start-up flag). The client times every request
+itself: streaming, until the first SSE chunk carrying a token has arrived; non-streaming, until
+the whole response has.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from ttftscope.analyzer.decompose import PHASE_COLUMNS
 
 from support.procs import PY, ROOT, ttftscope_sql
 from support.truth import (
-    PLANTED,
     STALL_MS,
-    TOKENIZE_US_PER_TOKEN,
     drive,
-    drive_busy,
+    drive_parts,
     served,
+    switched_env,
 )
 from support.truth import analyze as _analyze
 
@@ -34,20 +35,35 @@ pytestmark = pytest.mark.slow  # real vLLM servers
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    return served(tmp_path_factory.mktemp("clean"), "clean")
+def parts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("api")
+    return served(tmp, "api", env=switched_env(tmp / "switches"),
+                  drive=functools.partial(drive_parts, switches=tmp / "switches"))
+
+
+def _part(parts, name: str) -> tuple[pl.DataFrame, str]:
+    df, store = parts
+    return df.filter(pl.col("part") == name), store
 
 
 @pytest.fixture(scope="module")
-def stalled(tmp_path_factory):
-    return served(tmp_path_factory.mktemp("stall"), "stall",
-                   env={"PYTHONPATH": str(PLANTED), "PLANTED_DELIVER_STALL_MS": str(STALL_MS)})
+def clean(parts):
+    return _part(parts, "clean")
 
 
 @pytest.fixture(scope="module")
-def slowtok(tmp_path_factory):
-    return served(tmp_path_factory.mktemp("slowtok"), "slowtok",
-                   env={"PYTHONPATH": str(PLANTED), "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN)})
+def stalled(parts):
+    return _part(parts, "stall")
+
+
+@pytest.fixture(scope="module")
+def slowtok(parts):
+    return _part(parts, "slowtok")
+
+
+@pytest.fixture(scope="module")
+def busy(parts):
+    return _part(parts, "busy")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +74,14 @@ def nocache(tmp_path_factory):
                    drive=functools.partial(drive, shared=True))
 
 
-@pytest.fixture(scope="module")
-def busy(tmp_path_factory):
-    return served(tmp_path_factory.mktemp("busy"), "busy", drive=drive_busy,
-                   env={"PYTHONPATH": str(PLANTED), "PLANTED_EXECUTE_MS": "30", "PLANTED_UPDATE_MS": "10"})
+def _window(df: pl.DataFrame) -> list[str]:
+    return ["--since", str(df["since"].min()), "--until", str(df["until"].max())]
+
+
+def _report(part: tuple[pl.DataFrame, str]) -> dict:
+    """The report over one part's window."""
+    df, store = part
+    return _analyze(store, "api", since=df["since"].min(), until=df["until"].max())
 
 
 def _ms(df: pl.DataFrame, col: str, q: float = 0.5) -> float:
@@ -119,7 +139,7 @@ def test_phases_sum_exactly_and_cover_the_api_server(clean):
 
 def test_a_delivery_stall_lands_in_deliver_with_its_size(clean, stalled):
     base, _ = clean
-    df, store = stalled
+    df, _ = stalled
     grew = _ms(df, "client_ms") - _ms(base, "client_ms")
     assert grew >= 0.6 * STALL_MS, "the planted stall reached the client"
     assert abs(_ms(df, "ttft") - _ms(df, "client_ms")) <= max(3.0, 0.1 * _ms(df, "client_ms")), \
@@ -128,7 +148,7 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(clean, stalled):
     assert abs(deliver_grew - grew) <= 0.35 * grew, (deliver_grew, grew)
     assert _ms(df, "tokenize") < 0.2 * _ms(df, "deliver"), "not blamed on tokenization"
     assert (df["ttft"] - df["ttft_vllm"]).median() / 1e6 >= 0.6 * STALL_MS, "vLLM's own TTFT cannot see it"
-    report = _analyze(store, "stall")
+    report = _report(stalled)
     kinds = [f["kind"] for f in report["findings"]]
     assert "deliver_dominates" in kinds and "tokenize_dominates" not in kinds, kinds
     # the top finding names the planted cause, and what it says removing it would save at p50 is
@@ -143,14 +163,14 @@ def test_a_slow_tokenizer_is_named_with_its_size(clean, slowtok):
     top finding names it, and its impact at p50 is that loss (issue 12: within 15%)."""
     from ttftscope.analyzer.impact import REMOVED, impact_ms
 
-    base, base_store = clean
-    df, store = slowtok
+    base, _ = clean
+    df, _ = slowtok
     grew = _ms(df, "client_ms") - _ms(base, "client_ms")
     tokenize_grew = _ms(df, "tokenize") - _ms(base, "tokenize")
     assert grew >= 10, "the planted slowness reached the client"
     assert abs(tokenize_grew - grew) <= 0.25 * grew, (tokenize_grew, grew)
     assert _ms(df, "deliver") < 0.5 * _ms(df, "tokenize"), "not blamed on delivery"
-    report, base_report = _analyze(store, "slowtok"), _analyze(base_store, "clean")
+    report, base_report = _report(slowtok), _report(clean)
     top = report["findings"][0]
     assert top["kind"] == "tokenize_dominates", [(f["kind"], f.get("impact_ms")) for f in report["findings"]]
     # the counterfactual (tokenize back to a healthy cost for its prompt length) on the
@@ -193,9 +213,9 @@ def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_plante
     """Requests that arrive while the engine is in a long step wait for the engine loop: that
     is intake (with the uniform arrival here, about half a step on average), not a host-side
     gap. The step anatomy puts the planted 30 ms into execute and the 10 ms into update."""
-    df, store = busy
-    base, base_store = clean
-    report, base_report = _analyze(store, "busy"), _analyze(base_store, "clean")
+    df, _ = busy
+    base, _ = clean
+    report, base_report = _report(busy), _report(clean)
     steps, base_steps = report["steps"]["decode_steps"], base_report["steps"]["all"]
     execute = steps["execute_us_per_step"] - base_steps["execute_us_per_step"]
     update = steps["update_us_per_step"] - base_steps["update_us_per_step"]
@@ -234,9 +254,9 @@ def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_plante
 
 def test_a_quiet_healthy_server_gets_no_finding_above_low(clean):
     """Light load far inside the default SLO: whatever a detector notices costs a few ms."""
-    _, store = clean
-    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
-                        "--run", "clean"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    df, store = clean
+    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, *_window(df), "--json", "--quiet",
+                        "--run", "api"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     report = json.loads(r.stdout)
     assert not report["slo"]["violated"]
     loud = [(f["severity"], f["title"], f.get("impact_ms")) for f in report["findings"] if f["severity"] != "low"]
