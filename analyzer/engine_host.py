@@ -3,8 +3,9 @@
 From the step anatomy (``steps.step_anatomy``): ``schedule()`` plus ``update_from_output()``
 against the workers' execution. While the engine core schedules and processes outputs the
 model does not run (without async scheduling), so every request's time in the engine —
-intake, queue, prefill and the waits between its chunks — is stretched by that share. The
-impact (``impact.REMOVED``) is that stretch: a request's engine time times the host share.
+the wait for the engine loop, queue, its prefill steps and the decode steps a client waits for
+before it has text — is stretched by that share. The impact (``impact.REMOVED``) is what those
+steps lose if the share came down to a healthy one (``MIN_SHARE``), the model time unchanged.
 """
 
 from __future__ import annotations

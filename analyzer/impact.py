@@ -87,10 +87,27 @@ REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     "prefix_cache_misses": lambda f: ((pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait"))
                                       * (pl.col("shared_tokens") / pl.col("prompt_tokens").cast(pl.Float64))
                                       .clip(upper_bound=1.0)).fill_null(0),
-    # every step is stretched by the engine core's host share: so is each request's time in the engine
-    "engine_host_overhead": lambda f: (pl.col("intake") + pl.col("queue") + pl.col("prefill") + pl.col("allreduce")
-                                       + pl.col("gap_schedule") + pl.col("gap_chunk_wait")) * f["size"],
+    "engine_host_overhead": lambda f: _engine_time() * _host_excess(f["size"]),
 }
+
+
+def _engine_time() -> pl.Expr:
+    """A request's time that engine steps make up: the wait for the engine loop (intake past
+    the IPC hop), queue, its prefill steps whole (chunks, collectives, the scheduling before and
+    the output processing after them: the gaps around its chunks) and, where the client waits
+    for more tokens before it has one to show, those decode steps."""
+    return (pl.col("intake") - pl.col("intake_ipc").fill_null(0) + pl.col("queue") + pl.col("prefill")
+            + pl.col("allreduce") + pl.col("gap_schedule") + pl.col("gap_chunk_wait") + pl.col("gap_deliver")
+            + pl.col("deliver_generation"))
+
+
+def _host_excess(share: float) -> float:
+    """Of every step, the part that goes if the engine core's Python share came down to the
+    healthy share (``engine_host.MIN_SHARE``) with the same model time: a step of host share
+    ``s`` shrinks by ``(s - s0) / (1 - s0)``."""
+    from .engine_host import MIN_SHARE
+
+    return max(share - MIN_SHARE, 0.0) / (1.0 - MIN_SHARE)
 
 
 def impact_ms(df: pl.DataFrame, removed: pl.Expr) -> tuple[dict[str, float], int]:

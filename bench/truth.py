@@ -7,6 +7,7 @@ test-only vLLM plugin in tests/planted, or a flag:
   clean    no fault: the control; nothing may be reported above low
   stall    the API server's event loop blocked 25 ms after every output batch (deliver_dominates)
   slowtok  the tokenizer 1 ms slower per prompt token (tokenize_dominates)
+  host     the engine core 10 ms longer in update_from_output every step (engine_host_overhead)
   nocache  --no-enable-prefix-caching under shared-prefix traffic (prefix_cache_misses)
   budget   900-token prompts at --max-num-batched-tokens 64, against the same prompts at 2048
            (its own baseline, not the clean run) (chunk_budget)
@@ -59,6 +60,7 @@ SCENARIOS = {  # name -> (server env, extra vLLM flags, the load, its own baseli
               "deliver_dominates"),
     "slowtok": ({"PYTHONPATH": str(PLANTED), "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN)}, None, _drive,
                 None, "tokenize_dominates"),
+    "host": ({"PYTHONPATH": str(PLANTED), "PLANTED_UPDATE_MS": "10"}, None, _drive, None, "engine_host_overhead"),
     "nocache": ({}, ["--no-enable-prefix-caching"], functools.partial(_drive, shared=True), None,
                 "prefix_cache_misses"),
     # long prompts over a small prefill budget, against the same prompts at a large one

@@ -186,6 +186,7 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load)
     "clean": ((), drive),
     "stall": (("PLANTED_DELIVER_STALL_MS",), functools.partial(drive, seed=200, warm=False)),
     "slowtok": (("PLANTED_TOKENIZE_US_PER_TOKEN",), functools.partial(drive, seed=300, warm=False)),
+    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, seed=400, warm=False)),
     "busy": (("PLANTED_EXECUTE_MS", "PLANTED_UPDATE_MS"), drive_busy),
 }
 
@@ -275,7 +276,9 @@ def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: li
     # the decomposition's request id is the engine's (a -0 suffix on completions)
     df = df.with_columns(pl.col("request_id").str.replace(r"-\d+$", "").alias("rid"))
     joined = mine.join(df, on="rid", how="left")
-    assert joined["ttft"].null_count() == 0, "every client request is in the report"
+    missing = joined.filter(pl.col("ttft").is_null()).select([c for c in ("rid", "part", "since", "until")
+                                                              if c in joined.columns])
+    assert missing.height == 0, f"every client request is in the report; not: {missing}"
     return joined, col.store
 
 

@@ -43,15 +43,20 @@ def _switch(var: str):
     return lambda: os.path.exists(path)
 
 
-def _slow(cls, name: str, ms: float, on) -> None:
+def _slow(cls, name: str, ms: float, on, before: bool = False) -> None:
+    """``cls.name`` ``ms`` longer while ``on()``: after the call, or ``before`` it (where the
+    call's own result is stamped inside it: vLLM's engine core stamps its outputs at the end of
+    ``update_from_output``, so its own Python work comes before that stamp)."""
     orig = getattr(cls, name)
     if ms <= 0 or getattr(orig, "_planted", False):
         return
 
     @functools.wraps(orig)
     def slowed(self, *a, **kw):
+        if before and on():
+            time.sleep(ms / 1000)
         out = orig(self, *a, **kw)
-        if on():
+        if not before and on():
             time.sleep(ms / 1000)
         return out
 
@@ -134,7 +139,7 @@ def register() -> None:
     if update > 0:
         from vllm.v1.core.sched import scheduler
 
-        _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"))  # only the engine core calls it
+        _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"), before=True)  # only the engine core calls it
     first_ms = float(os.environ.get("PLANTED_FIRST_STEPS_MS", "0") or 0)
     if first_ms > 0:
         _slow_first_steps(first_ms, int(os.environ.get("PLANTED_FIRST_STEPS", "0") or 0))
