@@ -187,6 +187,8 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load)
     "stall": (("PLANTED_DELIVER_STALL_MS",), functools.partial(drive, seed=200, warm=False)),
     "slowtok": (("PLANTED_TOKENIZE_US_PER_TOKEN",), functools.partial(drive, seed=300, warm=False)),
     "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, seed=400, warm=False)),
+    # the nocache server's load with the prefix cache on (vLLM's default): what the misses cost
+    "shared": ((), functools.partial(drive, shared=True, warm=False)),
     "busy": (("PLANTED_EXECUTE_MS", "PLANTED_UPDATE_MS"), drive_busy),
 }
 
