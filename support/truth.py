@@ -59,13 +59,14 @@ class _Stopwatch:
         return answer
 
 
-def client_ttft(port: int, model: str, prompt: str, stream: bool, chat: bool = False, max_tokens: int = 4) -> dict:
+def client_ttft(port: int, model: str, prompt: str, stream: bool, chat: bool = False, max_tokens: int = 4,
+                cache_salt: str | None = None) -> dict:
     """One request timed by the stopwatch process (support/stopwatch.py: streaming, until the
     first SSE chunk carrying a token; non-streaming, until the whole response), as a row:
     ``rid`` (the response id), ``client_ms`` and ``client_cpu_wait_ms`` (how long the stopwatch
     waited for a CPU meanwhile: its witness is only as good as that is small)."""
     return _row(_Stopwatch.ask({"port": port, "model": model, "prompt": prompt, "stream": stream, "chat": chat,
-                                "max_tokens": max_tokens}))
+                                "max_tokens": max_tokens, "cache_salt": cache_salt}))
 
 
 def _row(answer: dict) -> dict:
@@ -83,9 +84,14 @@ def _warm(srv: VllmServer) -> None:
         client_ttft(srv.port, srv.model, "warm up the client", stream)
 
 
-def drive(srv: VllmServer, shared: bool = False, seed: int = 100, warm: bool = True) -> list[dict]:
-    """24 requests one at a time (streaming and not, completions and chat, 40–120-word prompts
-    drawn from ``seed`` on: another seed, prompts the prefix cache has not seen)."""
+def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = True, max_tokens: int = 4,
+          salted: bool = False) -> list[dict]:
+    """24 requests one at a time (streaming and not, completions and chat, 40–120-word prompts,
+    the same every time; ``tag``, a one-token word, in front of each (after the shared prefix):
+    prompts of the same length that the prefix cache has not seen in another part), ``max_tokens``
+    each (1: a stream's first chunk ends it, so no wait for a token with text, whose length
+    depends on which tokens the model happens to produce, adds to what the client times);
+    ``salted``: every request with a ``cache_salt`` of its own (no prefix-cache hit possible)."""
     if warm:
         srv.stream("warm up the stream", 2)
         _warm(srv)
@@ -93,8 +99,10 @@ def drive(srv: VllmServer, shared: bool = False, seed: int = 100, warm: bool = T
     for i in range(24):
         stream, chat = i % 3 != 2, i % 4 == 3
         # shared: every other prompt starts with the same 300 tokens (a system prompt)
-        prompt = (SHARED + " " if shared and i % 2 == 0 else "") + prompt_of(40 + 20 * (i % 5), seed + i)
-        out.append({**client_ttft(srv.port, srv.model, prompt, stream, chat), "stream": stream,
+        prompt = ((SHARED + " " if shared and i % 2 == 0 else "") + (tag + " " if tag else "")
+                  + prompt_of(40 + 20 * (i % 5), 100 + i))
+        salt = f"{tag}-{i}-{time.time_ns()}" if salted else None
+        out.append({**client_ttft(srv.port, srv.model, prompt, stream, chat, max_tokens, salt), "stream": stream,
                     "shared": shared and i % 2 == 0})
         time.sleep(0.05)
     return out
@@ -115,7 +123,7 @@ def drive_long(srv: VllmServer, words: int = 900, n: int = 16) -> list[dict]:
 def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int = 2) -> list[dict]:
     """Measured requests at random moments while ``clients`` other clients keep the engine
     decoding (each streams ``bg_tokens``-token completions back to back, in a process of its
-    own scheduled like the stopwatch: a starved background client would lighten the load)."""
+    own at a raised priority: a starved background client would lighten the load)."""
     _warm(srv)
     bg = [subprocess.Popen([PY, str(STOPWATCH), "--load", str(srv.port), srv.model,
                             str(bg_tokens)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -182,15 +190,20 @@ FAULTS = {
     "PLANTED_EXECUTE_MS": "30",
     "PLANTED_UPDATE_MS": "10",
 }
-SWITCHED_PARTS = {  # part -> (the faults switched on, the load)
-    "clean": ((), drive),
-    "stall": (("PLANTED_DELIVER_STALL_MS",), functools.partial(drive, seed=200, warm=False)),
-    "slowtok": (("PLANTED_TOKENIZE_US_PER_TOKEN",), functools.partial(drive, seed=300, warm=False)),
-    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, seed=400, warm=False)),
-    # the nocache server's load with the prefix cache on (vLLM's default): what the misses cost
-    "shared": ((), functools.partial(drive, shared=True, warm=False)),
+SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's prompts are the
+    # same but for a one-token tag in front, so no part hits another's prefix cache
+    "clean": ((), functools.partial(drive, tag="a")),
+    "stall": (("PLANTED_DELIVER_STALL_MS",), functools.partial(drive, tag="b", warm=False)),
+    "slowtok": (("PLANTED_TOKENIZE_US_PER_TOKEN",), functools.partial(drive, tag="c", warm=False)),
+    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False)),
+    # the nocache server's load (SHARED_LOAD) with the prefix cache on (vLLM's default): what misses cost
+    "shared": ((), functools.partial(drive, shared=True, tag="e", warm=False, max_tokens=1)),
+    # the same requests, each salted (cache_salt) so none can hit: the misses on the same server
+    "salted": ((), functools.partial(drive, shared=True, tag="e", warm=False, max_tokens=1, salted=True)),
     "busy": (("PLANTED_EXECUTE_MS", "PLANTED_UPDATE_MS"), drive_busy),
 }
+#: shared-prefix traffic (every other prompt starts with SHARED), one token per request
+SHARED_LOAD = functools.partial(drive, shared=True, tag="e", max_tokens=1)
 
 
 def switched_env(switches: Path) -> dict:
@@ -250,14 +263,24 @@ def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
     return out
 
 
-def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None, **server):
+def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None,
+           collector_nice: int = 10, **server):
     # the collector shares the two cores with vLLM and the client: at its production flush
     # interval and a lower priority its flush queries do not land inside the requests timed here
-    col = CollectorProc(str(tmp / "store"), tmp / "spool", flush_interval=2.0, nice=10).start()
+    # (a load that keeps vLLM busy all the time starves it there: ``collector_nice=0``)
+    col = CollectorProc(str(tmp / "store"), tmp / "spool", flush_interval=2.0, nice=collector_nice).start()
     try:
         srv = VllmServer(tmp, col.url + "/v1/traces", run=name, env=env, extra=extra, **server).start()
         try:
             seen = drive(srv)
+            # a plugin that dropped spans (its export queue full, the collector not answering in
+            # time) leaves requests without their engine phases: say so, not a wrong finding
+            # exports that failed (the collector, sharing two saturated cores, answered too late)
+            # or were dropped (the plugin's queue full) leave requests without some spans: printed,
+            # as what explains an attribution that fails below
+            for ln in srv.output().splitlines():
+                if "could not export" in ln:
+                    print("plugin:", ln[-200:])
             waits = sorted(r["client_cpu_wait_ms"] for r in seen)
             print(f"stopwatch ({stopwatch_scheduling()} scheduling) waited for a CPU: median {waits[len(waits) // 2]:.2f} "
                   f"ms, most {waits[-1]:.2f} ms per request")
