@@ -123,7 +123,7 @@ def drive_long(srv: VllmServer, words: int = 900, n: int = 16) -> list[dict]:
 def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int = 2) -> list[dict]:
     """Measured requests at random moments while ``clients`` other clients keep the engine
     decoding (each streams ``bg_tokens``-token completions back to back, in a process of its
-    own at a raised priority: a starved background client would lighten the load)."""
+    own scheduled like the stopwatch: a starved background client would lighten the load)."""
     _warm(srv)
     bg = [subprocess.Popen([PY, str(STOPWATCH), "--load", str(srv.port), srv.model,
                             str(bg_tokens)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -182,7 +182,7 @@ def drive_seats(srv: VllmServer) -> list[dict]:
     return out
 
 
-# the API server's faults that one server runs one after the other (tests/planted: switched on by a
+# the faults that one server runs one after the other (tests/planted: switched on by a
 # file named after the variable in PLANTED_SWITCH_DIR), with the load each is driven with
 FAULTS = {
     "PLANTED_DELIVER_STALL_MS": str(STALL_MS),
@@ -263,18 +263,14 @@ def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
     return out
 
 
-def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None,
-           collector_nice: int = 10, **server):
+def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None, **server):
     # the collector shares the two cores with vLLM and the client: at its production flush
     # interval and a lower priority its flush queries do not land inside the requests timed here
-    # (a load that keeps vLLM busy all the time starves it there: ``collector_nice=0``)
-    col = CollectorProc(str(tmp / "store"), tmp / "spool", flush_interval=2.0, nice=collector_nice).start()
+    col = CollectorProc(str(tmp / "store"), tmp / "spool", flush_interval=2.0, nice=10).start()
     try:
         srv = VllmServer(tmp, col.url + "/v1/traces", run=name, env=env, extra=extra, **server).start()
         try:
             seen = drive(srv)
-            # a plugin that dropped spans (its export queue full, the collector not answering in
-            # time) leaves requests without their engine phases: say so, not a wrong finding
             # exports that failed (the collector, sharing two saturated cores, answered too late)
             # or were dropped (the plugin's queue full) leave requests without some spans: printed,
             # as what explains an attribution that fails below
