@@ -263,6 +263,11 @@ def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
     return out
 
 
+def part_window(rows: pl.DataFrame, run: str) -> Window:
+    """The report window of the rows' part (their ``since``..``until``, epoch seconds)."""
+    return Window(int(rows["since"].min() * 1e9), int(rows["until"].max() * 1e9), run=run)
+
+
 def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None, **server):
     # the collector shares the two cores with vLLM and the client: at its production flush
     # interval and a lower priority its flush queries do not land inside the requests timed here
@@ -289,8 +294,7 @@ def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: li
     mine = pl.DataFrame(seen)
     if "since" in mine.columns:  # each part over its own window, as its report reads it (a step
         # period, a baseline, is the window's: one part's must not be averaged with another's)
-        windows = mine.select("since", "until").unique()
-        df = pl.concat([decompose(store, Window(int(a * 1e9), int(b * 1e9), run=name)) for a, b in windows.rows()],
+        df = pl.concat([decompose(store, part_window(p, name)) for p in mine.partition_by("since")],
                        how="diagonal_relaxed")
     else:
         df = decompose(store, Window.last(3600, run=name))

@@ -27,6 +27,7 @@ from support.truth import (
     SHARED_LOAD,
     STALL_MS,
     drive_parts,
+    part_window,
     served,
     switched_env,
 )
@@ -47,39 +48,17 @@ def _part(parts, name: str) -> tuple[pl.DataFrame, str]:
     return df.filter(pl.col("part") == name), store
 
 
-@pytest.fixture(scope="module")
-def clean(parts):
-    return _part(parts, "clean")
+def _part_fixture(fixture: str, part: str):
+    """A module fixture: one part of the switched server's run (rows, store)."""
+    @pytest.fixture(scope="module", name=fixture)
+    def one(parts):
+        return _part(parts, part)
+    return one
 
 
-@pytest.fixture(scope="module")
-def stalled(parts):
-    return _part(parts, "stall")
-
-
-@pytest.fixture(scope="module")
-def slowtok(parts):
-    return _part(parts, "slowtok")
-
-
-@pytest.fixture(scope="module")
-def host(parts):
-    return _part(parts, "host")
-
-
-@pytest.fixture(scope="module")
-def shared(parts):
-    return _part(parts, "shared")
-
-
-@pytest.fixture(scope="module")
-def salted(parts):
-    return _part(parts, "salted")
-
-
-@pytest.fixture(scope="module")
-def busy(parts):
-    return _part(parts, "busy")
+clean, stalled, slowtok, host, shared, salted, busy = (
+    _part_fixture(f, p) for f, p in (("clean", "clean"), ("stalled", "stall"), ("slowtok", "slowtok"),
+                                     ("host", "host"), ("shared", "shared"), ("salted", "salted"), ("busy", "busy")))
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +231,6 @@ def test_prefix_cache_misses_are_named_with_their_size(shared, salted):
     computed with the detector's own per-request shared tokens."""
     from ttftscope.analyzer.findings import Context, run_detectors
     from ttftscope.analyzer.impact import REMOVED, impact_ms
-    from ttftscope.analyzer.window import Window
     from ttftscope.schemas.slo import SLO
     from ttftscope.schemas.store import open_store
 
@@ -260,7 +238,7 @@ def test_prefix_cache_misses_are_named_with_their_size(shared, salted):
     on, _ = shared
     report = _report(salted)
     assert "prefix_cache_misses" in [f["kind"] for f in report["findings"]], report["findings"]
-    window = Window(int(df["since"].min() * 1e9), int(df["until"].max() * 1e9), run="api")
+    window = part_window(df, "api")
     (g,) = run_detectors(Context(open_store(store, create=False), window, SLO(), df), only=["prefix_cache_misses"])
     df = df.join(g["per_request"], on="trace_id", how="left")
     df, on = df.filter(pl.col("shared")), on.filter(pl.col("shared"))
