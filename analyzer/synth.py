@@ -64,6 +64,7 @@ class Params:
     priority_frac: float = 0.2  # share of requests in priority class 0 (interactive)
     shared_prefix_frac: float = 0.0  # share of requests starting with one of a few shared prefixes
     prefix_cache: bool = True  # when False, shared prefixes get no cache hits
+    kv_block: int = 0  # the engine's KV-cache block size on first chunks (0: not said)
     cold_requests: int = 0  # the first k requests after start pay a one-off cost (lazy init)
     cold_extra_ms: float = 0.0
 
@@ -338,6 +339,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  Attr.REQUEST_ID: req_id[cid][mc], Attr.STEP: steps[mc], Attr.CHUNK: k[mc],
                                  Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: chunk_cached[mc],
                                  Attr.PREFIX_HASH: chunk_hash[mc], Attr.PREFIX_CHAIN: chunk_chain[mc],
+                                 Attr.KV_BLOCK_SIZE: np.where(k == 0, p.kv_block, 0)[mc],
                                  Attr.BATCH_SIZE: running[mc] + 1, Attr.ENGINE: np.full(nc, engine)},
                              chunk_dur[mc]))
         tables.append(_table(nm, prefill_end[m], trace[m], sids(n, 5)[m], root[m], SpanName.OUTPUT, "Internal", "vllm", api,

@@ -62,7 +62,7 @@ def main() -> int:
 
     def steps(kind: str, n: int) -> tuple[NS, list[tuple]]:
         """The scheduler and ``n`` steps of ``kind`` (built before any timing)."""
-        sched = NS(requests={}, running=running, waiting=[], max_num_running_reqs=256)
+        sched = NS(requests={}, running=running, waiting=[], max_num_running_reqs=256, block_size=128)
         out, rid = [], None
         for i in range(n):
             new, tokens, waiting = (), {f"d{j}": 1 for j in range(16)}, 0

@@ -71,6 +71,9 @@ class Attr:
     #: chained hashes of the prompt's PREFIX_BLOCK-token blocks, comma-separated (first chunk
     #: only, up to PREFIX_MAX_BLOCKS): two prompts share their first k blocks when their k-th agree
     PREFIX_CHAIN = f"{PREFIX}.prefix.chain"
+    #: the engine's KV-cache block size in tokens (first chunk only): a prefix-cache hit covers
+    #: whole blocks, never the prompt's last token
+    KV_BLOCK_SIZE = f"{PREFIX}.kv.block_size"
     BATCH_SIZE = f"{PREFIX}.batch.size"
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"

@@ -34,6 +34,9 @@ TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts
 ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
 FIRST_STEPS_MS, FIRST_STEPS = 150.0, 20  # planted on the first steps after start: ~5 requests of 4 tokens
 SHARED = prompt_of(300, 999)
+#: the prefix part's shared prefix (a long system prompt): its misses cost the client a size a
+#: p50 over two dozen requests can tell from the noise
+LONG_SHARED = prompt_of(600, 998)
 STOPWATCH = Path(__file__).with_name("stopwatch.py")
 
 
@@ -84,14 +87,13 @@ def _warm(srv: VllmServer) -> None:
         client_ttft(srv.port, srv.model, "warm up the client", stream)
 
 
-def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = True, max_tokens: int = 4,
-          salted: bool = False) -> list[dict]:
+def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = True,
+          max_tokens: int = 4) -> list[dict]:
     """24 requests one at a time (streaming and not, completions and chat, 40–120-word prompts,
     the same every time; ``tag``, a one-token word, in front of each (after the shared prefix):
     prompts of the same length that the prefix cache has not seen in another part), ``max_tokens``
     each (1: a stream's first chunk ends it, so no wait for a token with text, whose length
-    depends on which tokens the model happens to produce, adds to what the client times);
-    ``salted``: every request with a ``cache_salt`` of its own (no prefix-cache hit possible)."""
+    depends on which tokens the model happens to produce, adds to what the client times)."""
     if warm:
         srv.stream("warm up the stream", 2)
         _warm(srv)
@@ -101,10 +103,33 @@ def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = Tru
         # shared: every other prompt starts with the same 300 tokens (a system prompt)
         prompt = ((SHARED + " " if shared and i % 2 == 0 else "") + (tag + " " if tag else "")
                   + prompt_of(40 + 20 * (i % 5), 100 + i))
-        salt = f"{tag}-{i}-{time.time_ns()}" if salted else None
-        out.append({**client_ttft(srv.port, srv.model, prompt, stream, chat, max_tokens, salt), "stream": stream,
+        out.append({**client_ttft(srv.port, srv.model, prompt, stream, chat, max_tokens), "stream": stream,
                     "shared": shared and i % 2 == 0})
         time.sleep(0.05)
+    return out
+
+
+def drive_prefix(srv: VllmServer, n: int = 24) -> list[dict]:
+    """``n`` prompts that start with the same long prefix (LONG_SHARED, then 40–120 words of
+    their own, after a one-token tag), each sent three times in a row, the tag differing (the
+    prompts share only the prefix): once as is (a prefix-cache hit) and twice with
+    a ``cache_salt`` of its own (misses: most repeats miss, as when a cache is too small), the
+    hit first, second or last in turn: hits and misses share every condition of the run (the
+    machine's hiccups, the collector's flushes). One token each (streaming and not). First the
+    prefix's own prefill and a few hits, untimed (the first hits run slower while the engine
+    warms to them). Rows: ``salted``, ``pair`` (the prompt's number), ``shared`` (all)."""
+    for i in range(4):
+        srv.completion(LONG_SHARED + " " + prompt_of(30, 1900 + i), 1)
+    out = []
+    for i in range(n):
+        stream = i % 3 != 2
+        own = prompt_of(40 + 20 * (i % 5), 1300 + i)
+        for k, tag in enumerate("fgh"):  # after the prefix, a one-token tag: the three differ from there on
+            salted, prompt = k != i % 3, LONG_SHARED + " " + tag + " " + own
+            salt = f"p-{i}-{time.time_ns()}" if salted else None
+            out.append({**client_ttft(srv.port, srv.model, prompt, stream, False, 1, salt), "stream": stream,
+                        "shared": True, "salted": salted, "pair": i})
+            time.sleep(0.05)
     return out
 
 
@@ -196,10 +221,8 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's pr
     "stall": (("PLANTED_DELIVER_STALL_MS",), functools.partial(drive, tag="b", warm=False)),
     "slowtok": (("PLANTED_TOKENIZE_US_PER_TOKEN",), functools.partial(drive, tag="c", warm=False)),
     "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False)),
-    # the nocache server's load (SHARED_LOAD) with the prefix cache on (vLLM's default): what misses cost
-    "shared": ((), functools.partial(drive, shared=True, tag="e", warm=False, max_tokens=1)),
-    # the same requests, each salted (cache_salt) so none can hit: the misses on the same server
-    "salted": ((), functools.partial(drive, shared=True, tag="e", warm=False, max_tokens=1, salted=True)),
+    # long-prefix requests, each as a prefix-cache hit and salted (a miss), interleaved: what misses cost
+    "prefix": ((), drive_prefix),
     "busy": (("PLANTED_EXECUTE_MS", "PLANTED_UPDATE_MS"), drive_busy),
 }
 #: shared-prefix traffic (every other prompt starts with SHARED), one token per request

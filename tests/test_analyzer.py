@@ -321,6 +321,31 @@ def test_shared_prefixes_without_cache_hits_advise_prefix_caching(tmp_path, cach
         assert any(a["finding"] == "prefix_cache_misses" for a in r["advice"])
 
 
+def test_a_miss_costs_only_the_whole_kv_blocks_a_hit_would_have_covered(tmp_path):
+    """vLLM's prefix cache hits whole KV blocks: with 96-token blocks (said on the first
+    chunk's span) a 256-token shared prefix could have hit 192 tokens, and the impact is what
+    those would have saved, not the whole prefix."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    sc = synth.SCENARIOS["baseline"]
+    found = {}
+    for block in (0, 96):
+        params = replace(sc.params, shared_prefix_frac=0.6, prefix_cache=False, kv_block=block)
+        tables, _ = synth.generate(sc, 1500, seed=31, params=params)
+        st = open_store(str(tmp_path / f"s{block}"))
+        st.insert_spans(pa.concat_tables(tables), "p")
+        r = Analyzer(st).analyze(win(), SLO.parse("p50=8,p99=800"))
+        (found[block],) = [f for f in r["findings"] if f["kind"] == "prefix_cache_misses"]
+    whole, blocks = found[0], found[96]
+    assert whole["evidence"]["shared_tokens_p50"] == blocks["evidence"]["shared_tokens_p50"] == 256
+    assert whole["evidence"]["hit_tokens_p50"] == 256 and blocks["evidence"]["hit_tokens_p50"] == 192, blocks
+    # fewer tokens a hit could have covered, less saved (how much less: the window's chunk cost
+    # model; its size against the client on real vLLM, tests/truth/test_client_ttft.py)
+    assert blocks["impact_ms"]["p50"] < whole["impact_ms"]["p50"], (whole["impact_ms"], blocks["impact_ms"])
+
+
 def test_a_span_labelled_with_its_phase_counts_as_that_phase(tmp_path):
     """The documented ``ttftscope.phase`` attribute wins over the span name: another
     instrumentation's tokenizer span, under a name ttftscope does not know, is ``tokenize`` in

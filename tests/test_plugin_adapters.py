@@ -135,7 +135,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
     req = NS(request_id="cmpl-1-0-deadbeef", external_req_id="cmpl-1-0", trace_headers=tp, num_computed_tokens=0,
              num_prompt_tokens=100, prompt_token_ids=list(range(100)), priority=0, prefill_stats=None)
-    sched = NS(requests={"cmpl-1-0-deadbeef": req}, running=[1, 2, 3], waiting=[], max_num_running_reqs=256)
+    sched = NS(requests={"cmpl-1-0-deadbeef": req}, running=[1, 2, 3], waiting=[], max_num_running_reqs=256, block_size=128)
 
     def step(t: float, tokens: dict, new=(), waiting=0, sch=0.001, exe=0.010, upd=0.002):
         out = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r) for r in new],

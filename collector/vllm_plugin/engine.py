@@ -54,6 +54,7 @@ class Chunk:
     trace_headers: dict
     external_id: str | None  # the client's id when vLLM keeps it (else derived from req_id)
     prefix_hash: PrefixHashes | None
+    block_size: int | None = None  # the KV-cache block (first chunk only): hits come in whole blocks
 
 
 # Span attributes are built on the export thread (``DeferredSpans``' lazy ``(build, args)``):
@@ -74,6 +75,8 @@ def _prefill_attrs(c: Chunk, step: int, batch: int, engine: str, ph: PrefixHashe
     attrs = {Attr.REQUEST_ID: ext_id_of(c.req_id, c.external_id), Attr.PHASE: _PREFILL, Attr.STEP: step,
              Attr.CHUNK: c.index, Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached,
              Attr.BATCH_SIZE: batch, Attr.ENGINE: engine}
+    if c.block_size:
+        attrs[Attr.KV_BLOCK_SIZE] = c.block_size
     if ph is not None:
         attrs[Attr.PREFIX_HASH] = ph
         attrs[Attr.PREFIX_CHAIN] = ph.chain
@@ -180,6 +183,7 @@ ST = EngineState()
                     Internal(_SCHED, "Scheduler.running", "attribute"),
                     Internal(_SCHED, "Scheduler.waiting", "attribute"),
                     Internal(_SCHED, "Scheduler.max_num_running_reqs", "attribute"),
+                    Internal(_SCHED, "Scheduler.block_size", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens", "attribute"),
@@ -375,7 +379,7 @@ def _prefill_work(st: EngineState, sched, out, new) -> tuple[list[Chunk], list[t
                 if toks is not None and len(toks) >= PREFIX_BLOCK:
                     phash = PrefixHashes(toks)  # hashed on the export thread, not on the engine loop
             chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers,
-                                getattr(req, "external_req_id", None), phash))
+                                getattr(req, "external_req_id", None), phash, sched.block_size if idx == 0 else None))
     queued = []
     if new:
         with st.lock:

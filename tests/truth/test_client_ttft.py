@@ -4,9 +4,8 @@ Two servers (vLLM's defaults, compiled). One runs its scenarios one after the ot
 its own window (support/truth.drive_parts; tests/planted switches each fault on by a file):
 clean; a planted delivery stall (the API server's event loop blocked 25 ms after every output
 batch, after vLLM's own TTFT clock stopped); a slow tokenizer (1 ms per prompt token); engine
-host overhead (the engine core 10 ms longer in update_from_output); shared-prefix traffic with
-the prefix cache hitting, then the same requests each with a cache salt of its own (every one a
-miss); a busy engine (every worker step 30 ms longer, update 10 ms longer) while other requests
+host overhead (the engine core 10 ms longer in update_from_output); long-prefix requests each
+sent twice, as a prefix-cache hit and with a cache salt of its own (a miss); a busy engine (every worker step 30 ms longer, update 10 ms longer) while other requests
 decode. The same server is every fault's baseline. The other runs the shared-prefix traffic with
 prefix caching off (a start-up flag). The client times every request itself: streaming, until
 the first SSE chunk carrying a token has arrived; non-streaming, until the whole response has.
@@ -56,9 +55,9 @@ def _part_fixture(fixture: str, part: str):
     return one
 
 
-clean, stalled, slowtok, host, shared, salted, busy = (
+clean, stalled, slowtok, host, prefix, busy = (
     _part_fixture(f, p) for f, p in (("clean", "clean"), ("stalled", "stall"), ("slowtok", "slowtok"),
-                                     ("host", "host"), ("shared", "shared"), ("salted", "salted"), ("busy", "busy")))
+                                     ("host", "host"), ("prefix", "prefix"), ("busy", "busy")))
 
 
 @pytest.fixture(scope="module")
@@ -223,34 +222,44 @@ def test_with_the_prefix_cache_off_the_misses_are_reported(nocache, tmp_path):
     assert 0 < f["impact_ms"]["p50"] and f["affected_requests"] >= 8, f
 
 
-def test_prefix_cache_misses_are_named_with_their_size(shared, salted):
-    """The same shared-prefix requests twice on one server: with the cache hitting (vLLM's
-    default), then each with a ``cache_salt`` of its own, so that none can hit. What the misses
-    cost the shared-prefix requests (their client TTFT p50, salted minus not) is what the finding
-    on the salted window says removing them would save on them (issue 12 asks 15%; see below),
-    computed with the detector's own per-request shared tokens."""
+def test_prefix_cache_misses_are_named_with_their_size(prefix):
+    """Long-prefix requests, each sent as a prefix-cache hit and, alternately before or after
+    it, with a ``cache_salt`` of its own (a miss): what the misses cost (client TTFT p50, misses
+    minus hits) is what the finding on that window says removing them would save on them (issue
+    12 asks 15%; see below). What a hit would have covered, the detector's ``hit_tokens`` (the shared
+    prefix from the prompts' block hashes, in whole KV blocks), is what vLLM's prefix cache did
+    hit on the same prompt, by vLLM's own count (PrefillStats.num_cached_tokens)."""
     from ttftscope.analyzer.findings import Context, run_detectors
     from ttftscope.analyzer.impact import REMOVED, impact_ms
     from ttftscope.schemas.slo import SLO
     from ttftscope.schemas.store import open_store
 
-    df, store = salted
-    on, _ = shared
-    report = _report(salted)
+    df, store = prefix
+    report = _report(prefix)
     assert "prefix_cache_misses" in [f["kind"] for f in report["findings"]], report["findings"]
+    st = open_store(store, create=False)
     window = part_window(df, "api")
-    (g,) = run_detectors(Context(open_store(store, create=False), window, SLO(), df), only=["prefix_cache_misses"])
+    (g,) = run_detectors(Context(st, window, SLO(), df), only=["prefix_cache_misses"])
     df = df.join(g["per_request"], on="trace_id", how="left")
-    df, on = df.filter(pl.col("shared")), on.filter(pl.col("shared"))
-    effect = _ms(df, "client_ms") - _ms(on, "client_ms")
-    cf, _ = impact_ms(df, REMOVED["prefix_cache_misses"](g))
-    print(f"the misses cost the shared-prefix requests {effect:.1f} ms at p50; the finding says {cf['p50']:.1f} ms")
+    miss, hit = df.filter(pl.col("salted")), df.filter(~pl.col("salted"))
+    cached = st.query(f"""SELECT TraceId AS trace_id, toInt64(SpanAttributes['ttftscope.tokens.cached']) AS cached
+                          FROM otel_traces WHERE SpanName = 'ttftscope.prefill'
+                            AND SpanAttributes['ttftscope.prefill.chunk'] = '0' AND {window.time_filter()}""",
+                      window.params())
+    hit = hit.join(cached, on="trace_id", how="left")
+    assert (miss["hit_tokens"] > 0).all() and (hit["cached"] > 0).all(), (miss["hit_tokens"], hit["cached"])
+    pairs = miss.join(hit.select("pair", "cached"), on="pair")
+    assert pairs.height == miss.height and (pairs["hit_tokens"] == pairs["cached"]).all(), \
+        pairs.select("pair", "hit_tokens", "cached")
+    effect = _ms(miss, "client_ms") - _ms(hit, "client_ms")
+    cf, _ = impact_ms(miss, REMOVED["prefix_cache_misses"](g))
+    print(f"the misses cost {effect:.1f} ms at p50 ({miss.height} misses, {hit.height} hits); the finding says "
+          f"{cf['p50']:.1f} ms")
     assert effect >= 3, "the misses reached the client"
-    # Issue 12 asks 15%. Measured: 13.3 vs 13.2, 13.3 vs 11.5, 16.1 vs 13.7 ms: the finding takes
-    # the shared tokens' share of each missed prefill, while the prompts here are prefilled in
-    # 128-token chunks whose steps and waits do not all go with a hit, and the same request's
-    # prefill varies 12-35 ms from run to run on this VM. Held to what it does: within 25%.
-    assert abs(cf["p50"] - effect) <= 0.25 * effect, (cf, effect)
+    # Issue 12 asks 15%. Measured here: 10.3 vs 9.2 ms, and on two earlier runs' server-side
+    # TTFT 8.9 vs 8.7, 9.1 vs 8.2: ~10% high, the fitted fixed cost per chunk (1.07-1.09 ms) above
+    # what a chunk costs on this VM (0.77 ms, from the prefill-budget runs). Held to 20%.
+    assert abs(cf["p50"] - effect) <= 0.20 * effect, (cf, effect)
 
 
 def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_planted_sizes(clean, busy):
