@@ -17,6 +17,7 @@ from .compare import compare_frames, significant_shifts
 from .decompose import tail_attribution
 from .findings import Context, Finding, detector
 from .findings import finding as _finding
+from .gaps import bubble_delays
 from .window import Window
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
@@ -82,10 +83,13 @@ def intake_split(df: pl.DataFrame) -> dict:
 def seats(ctx: Context) -> dict:
     """Of the engine steps taken while requests waited: the seats (vLLM's ``max_num_seqs``)
     and the share of those steps in which every seat was held (queueing because running
-    requests, typically long decodes, hold the seats, not because of the token budget)."""
+    requests, typically long decodes, hold the seats, not because of the token budget). A merged
+    run of decode steps counts as its steps, of which it says how many held every seat."""
     s = ctx.store.query(f"""
-        SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats, count() AS steps,
-               countIf(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats) AS full
+        SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats,
+               sum(greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1)) AS steps,
+               sum(if(mapContains(SpanAttributes, '{Attr.STEP_FULL}'), toUInt64OrZero(SpanAttributes['{Attr.STEP_FULL}']),
+                      toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats)) AS full
         FROM otel_traces
         WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND seats > 0
           AND toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) > 0
@@ -312,10 +316,13 @@ def engine_bubble_findings(ctx: Context) -> list[Finding]:
     share = bubbles.get("idle_share", 0.0)
     sev = "high" if share >= 0.2 else "medium" if share >= 0.1 else None
     reqs = [r for t in bubbles.get("top", []) for r in t["delayed_requests"]][:10]
-    return [f] if (f := _finding("scheduling_bubbles", sev, share, "share", share,
-                                 f"engine idle {share:.0%} of the time while requests waited ({bubbles['bubbles']} bubbles)",
-                                 request_ids=[r["request_id"] for r in reqs], trace_ids=[r["trace_id"] for r in reqs],
-                                 idle_ms=bubbles["idle_ms"])) else []
+    f = _finding("scheduling_bubbles", sev, share, "share", share,
+                 f"engine idle {share:.0%} of the time while requests waited ({bubbles['bubbles']} bubbles)",
+                 request_ids=[r["request_id"] for r in reqs], trace_ids=[r["trace_id"] for r in reqs],
+                 idle_ms=bubbles["idle_ms"])
+    if f:
+        f["per_request"] = bubble_delays(ctx.store, ctx.window)  # for impact.calibrate
+    return [f] if f else []
 
 
 @detector("scale_out")

@@ -60,3 +60,36 @@ def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 1
                      "waiting": int(r["waiting"]), "delayed_requests": delayed.to_dicts()})
     return {"steps": df.height, "bubbles": b.height, "idle_ms": idle / 1e6, "busy_ms": busy / 1e6,
             "idle_share": idle / (idle + busy) if busy else 0.0, "top": tops}
+
+
+def bubble_delays(store, window: Window, min_idle_ms: float = 2.0) -> pl.DataFrame:
+    """Per request (``trace_id``, ``bubble_ns``): the engine-loop idle time (intervals of at
+    least ``min_idle_ms`` between consecutive steps of its engine) inside the request's wait
+    for its first token on the engine — from when the scheduler had it (its queue span starts)
+    to the end of its last prefill chunk. The engine had work then (this request), so every
+    such interval delayed it: removing the bubbles removes that time (impact's
+    ``scheduling_bubbles``). Idle before the scheduler had the request (an empty engine) is not
+    counted, nor the loop's own few hundred microseconds between steps."""
+    q = Window.time_filter()
+    steps = store.query(f"""
+        SELECT engine, prev_en AS b0, st AS b1 FROM (
+          SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, toUnixTimestamp64Nano(Timestamp) AS st,
+                 st + toInt64(Duration) AS en,
+                 lagInFrame(en, 1, toInt64(0)) OVER (PARTITION BY engine ORDER BY st
+                     ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_en
+          FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {q})
+        WHERE prev_en > 0 AND st - prev_en >= {int(min_idle_ms * 1e6)}""", window.params())
+    reqs = store.query(f"""
+        SELECT TraceId AS trace_id, anyIf(SpanAttributes['{Attr.ENGINE}'], SpanName = '{SpanName.PREFILL}') AS engine,
+               minIf(toUnixTimestamp64Nano(Timestamp), SpanName = '{SpanName.QUEUE}') AS r0,
+               maxIf(toUnixTimestamp64Nano(Timestamp) + toInt64(Duration), SpanName = '{SpanName.PREFILL}') AS r1
+        FROM otel_traces WHERE SpanName IN ('{SpanName.QUEUE}', '{SpanName.PREFILL}') AND {q}
+        GROUP BY TraceId HAVING countIf(SpanName = '{SpanName.QUEUE}') > 0
+                           AND countIf(SpanName = '{SpanName.PREFILL}') > 0""", window.params())
+    if steps.height == 0 or reqs.height == 0:
+        return pl.DataFrame(schema={"trace_id": pl.String, "bubble_ns": pl.Int64})
+    hit = reqs.join_where(steps, pl.col("engine") == pl.col("engine_right"), pl.col("b1") > pl.col("r0"),
+                          pl.col("b0") < pl.col("r1"))
+    return (hit.group_by("trace_id")
+               .agg((pl.min_horizontal("b1", "r1") - pl.max_horizontal("b0", "r0")).clip(lower_bound=0).sum()
+                    .cast(pl.Int64).alias("bubble_ns")))

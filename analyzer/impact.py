@@ -13,9 +13,10 @@ violated target back within it, or the impact is at least a quarter of the targe
 **medium** from a tenth of the target; otherwise **low** — a cause that costs a few
 milliseconds on a server far inside its SLO is at most low. A detector's own verdict can
 only be lowered by this, never raised. Within a severity, findings are ranked by impact at
-that percentile; at equal impact a specific cause (super-linear tokenization) goes before the
-phase it inflates (tokenization dominates); findings without a per-request impact (cold
-start, regressions) follow by their detector's score.
+that percentile; a specific cause goes before the phase it inflates (``INFLATES``: idle
+engine-loop bubbles before a long queue) when it explains at least half of that phase's
+impact, and at equal impact anyway; findings without a per-request impact (cold start,
+regressions, load tracking) follow by their detector's score.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     "tokenizer_long_prompts": lambda f: _excess("tokenize"),
     "allreduce_concurrency": lambda f: _excess("allreduce"),
     "cold_requests": _first_requests,
+    # the engine loop's idle time inside each request's wait for its first token (gaps.bubble_delays)
+    "scheduling_bubbles": lambda f: pl.col("bubble_ns").fill_null(0),
     "prefix_cache_misses": lambda f: _hit_saves(f),
     "engine_host_overhead": lambda f: _engine_time() * _host_excess(f["size"]),
 }
@@ -174,4 +177,34 @@ def calibrate(findings: list[dict], df: pl.DataFrame, slo: SLO) -> list[dict]:
         return (_ORDER[f["severity"]], -round(imp[qk] * 2) / 2 if imp else 0.0,
                 f["kind"].endswith("_dominates"), -f["score"])
 
-    return sorted(findings, key=key)
+    return causes_first(sorted(findings, key=key), qk)
+
+
+#: specific causes -> the phases whose time they inflate (a phase's dominance finding says
+#: where the time went; these say why)
+INFLATES: dict[str, tuple[str, ...]] = {
+    "scheduling_bubbles": ("queue", "intake"),
+    "engine_host_overhead": ("queue", "intake", "prefill"),
+    "chunk_budget": ("prefill",),
+    "chunk_wait": ("prefill",),
+    "prefix_cache_misses": ("prefill",),
+    "tokenizer_long_prompts": ("tokenize",),
+    "allreduce_concurrency": ("allreduce",),
+}
+
+
+def causes_first(ranked: list[dict], qk: str, explains: float = 0.5) -> list[dict]:
+    """A phase's dominance finding moves behind a specific cause of that phase's time ranked
+    after it at the same severity, when the cause's impact is at least ``explains`` of the
+    phase's: the cause is the answer to why the phase is long (idle engine-loop bubbles behind
+    a long queue)."""
+    out = list(ranked)
+    for d in [f for f in ranked if f["kind"].endswith("_dominates") and f.get("impact_ms")]:
+        phase, i = d["kind"].removesuffix("_dominates"), out.index(d)
+        later = [c for c in out[i + 1:] if phase in INFLATES.get(c["kind"], ()) and c.get("impact_ms")
+                 and c["severity"] == d["severity"] and c["impact_ms"][qk] >= explains * d["impact_ms"][qk]]
+        if later:
+            c = later[0]
+            out.remove(c)
+            out.insert(i, c)
+    return out

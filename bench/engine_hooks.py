@@ -8,7 +8,7 @@ drives them in tests/test_vllm_plugin.py and bench/overhead.py), into the real d
 queue (what the export thread drains), and reports the CPU they add per step for:
 
   decode      decode-only steps, nobody waiting (merged into runs)
-  waiting     decode-only steps with requests waiting (each its own span)
+  waiting     decode-only steps with requests waiting (merged into runs of their own)
   prefill     a step that admits one new request (intake, queue, one prefill chunk)
   chunked     a step carrying the next chunk of a long prompt
 

@@ -63,6 +63,9 @@ class Attr:
     STEP = f"{PREFIX}.step"  # engine step number
     STEP_LAST = f"{PREFIX}.step.last"  # last step of a merged run of decode-only steps
     STEP_COUNT = f"{PREFIX}.step.count"  # steps in a merged run
+    #: of a merged run's steps taken while requests waited, those in which every seat
+    #: (``MAX_NUM_SEQS``) was held by running requests
+    STEP_FULL = f"{PREFIX}.step.full"
     CHUNK = f"{PREFIX}.prefill.chunk"  # chunk index within a request's prefill
     TOKENS_COMPUTED = f"{PREFIX}.tokens.computed"
     TOKENS_CACHED = f"{PREFIX}.tokens.cached"  # served from the prefix cache

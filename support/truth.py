@@ -191,6 +191,28 @@ def drive_burst(srv: VllmServer, bursts: int = 3, size: int = 12, max_tokens: in
     return out
 
 
+def drive_bubbles(srv: VllmServer, switches: Path, bursts: int = 8, size: int = 6) -> list[dict]:
+    """Bursts of ``size`` streaming requests at once (80-word prompts, one token each: more
+    prompt tokens than one step computes, so most wait in the queue for a few steps), the
+    engine loop's pause after every step (PLANTED_LOOP_PAUSE_MS) switched on for every other
+    burst: paused and clean bursts share every condition of the run. Rows: ``paused``."""
+    flag = switches / "PLANTED_LOOP_PAUSE_MS"
+    out = []
+    for b in range(bursts):
+        paused = b % 2 == 1
+        if paused:
+            flag.touch()
+        q = [{"port": srv.port, "model": srv.model, "prompt": prompt_of(80, 2000 + b * size + i), "stream": True,
+              "max_tokens": 1} for i in range(size)]
+        out += [{**_row(a), "stream": True, "paused": paused} for a in _Stopwatch.ask({"burst": q})["burst"]]
+        flag.unlink(missing_ok=True)
+        time.sleep(0.3)
+    return out
+
+
+drive_bubbles.toggles = True  # drive_parts hands it the switch directory: it switches its own fault
+
+
 def drive_seats(srv: VllmServer) -> list[dict]:
     """Two loads that need more seats than a small ``--max-num-seqs`` gives, one after the
     other on one server, each row with its ``part`` and the part's ``since``/``until`` (epoch
@@ -214,6 +236,7 @@ FAULTS = {
     "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN),
     "PLANTED_EXECUTE_MS": "30",
     "PLANTED_UPDATE_MS": "10",
+    "PLANTED_LOOP_PAUSE_MS": "10",
 }
 SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's prompts are the
     # same but for a one-token tag in front, so no part hits another's prefix cache
@@ -223,6 +246,8 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's pr
     "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False)),
     # long-prefix requests, each as a prefix-cache hit and salted (a miss), interleaved: what misses cost
     "prefix": ((), drive_prefix),
+    # bursts that queue, the engine loop pausing 10 ms after every step in every other burst
+    "bubbles": ((), drive_bubbles),
     "busy": (("PLANTED_EXECUTE_MS", "PLANTED_UPDATE_MS"), drive_busy),
 }
 #: shared-prefix traffic (every other prompt starts with SHARED), one token per request
@@ -245,7 +270,7 @@ def drive_parts(srv: VllmServer, switches: Path) -> list[dict]:
             (switches / f).touch()
         time.sleep(0.3)
         since = time.time()
-        rows = load(srv)
+        rows = load(srv, switches) if getattr(load, "toggles", False) else load(srv)
         until = time.time()
         for f in faults:
             (switches / f).unlink()

@@ -117,7 +117,9 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     """Unit level, the engine adapter's step bookkeeping (real vLLM drives it in
     test_vllm_plugin.py; here plain objects with the attributes it declares): decode-only steps
     with nobody waiting merge into one span whose counts and anatomy are the sums of its steps;
-    a step with a prefill chunk, or with requests waiting, closes the run and stands alone."""
+    a step with a prefill chunk closes the run and stands alone; decode steps with requests
+    waiting merge into runs of their own (with the seats, and how many steps held them all),
+    split where the engine loop paused (a bubble stays a gap between spans)."""
     from types import SimpleNamespace as NS
 
     from ttftscope.collector.otel_setup import DeferredSpans, expand
@@ -154,10 +156,18 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     E._on_add(st, req)  # r1 arrives (queued from now until step 11 schedules it)
     queued_at = st.queued["cmpl-1-0-deadbeef"]
     step(2.0, {"cmpl-1-0-deadbeef": 100, "a": 1}, new=["cmpl-1-0-deadbeef"])  # step 11: a prefill chunk closes the run
-    step(2.1, {"a": 1, "b": 1}, waiting=2)  # step 12: somebody waits: its own span
+    sched.max_num_running_reqs = 3  # every seat held by the three running
+    step(2.1, {"a": 1, "b": 1}, waiting=2)  # step 12: somebody waits: a run of steps with requests waiting
+    step(2.1135, {"a": 1, "b": 1}, waiting=3)  # step 13, 0.5 ms after: the same run
+    step(2.1365, {"a": 1, "b": 1}, waiting=1)  # step 14, after a 10 ms pause of the loop: a run of its own
+    step(2.2, {"a": 1, "b": 1})  # step 15: nobody waits: the waiting run closes
     names = [s[0] for s in spans]
-    assert names == [SpanName.STEP, SpanName.QUEUE, SpanName.PREFILL, SpanName.STEP, SpanName.STEP], names
-    run, queue, pre, alone, waited = (s[3] for s in spans)
+    assert names == [SpanName.STEP, SpanName.QUEUE, SpanName.PREFILL, SpanName.STEP, SpanName.STEP, SpanName.STEP], names
+    run, queue, pre, alone, waited, paused = (s[3] for s in spans)
+    assert (waited[Attr.STEP], waited[Attr.STEP_LAST], waited[Attr.STEP_COUNT]) == (12, 13, 2)
+    assert waited[Attr.WAITING] == 3 and waited[Attr.MAX_NUM_SEQS] == 3 and waited[Attr.STEP_FULL] == 2
+    assert (paused[Attr.STEP], paused[Attr.STEP_COUNT], paused[Attr.WAITING]) == (14, 1, 1)
+    assert spans[5][1] - spans[4][2] == pytest.approx(0.010, abs=1e-6), "the pause is a gap between step spans"
     assert spans[1][1:3] == (queued_at, 2.0), "queued from add_request to the schedule() that took it"
     assert queue[Attr.REQUEST_ID] == "cmpl-1-0" and queue[Attr.PRIORITY] == "0"
     assert (run[Attr.STEP], run[Attr.STEP_LAST], run[Attr.STEP_COUNT]) == (1, 10, 10)
@@ -168,7 +178,6 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     assert spans[0][1] == 1.0 and spans[0][2] == pytest.approx(1.0 + 9 * 0.018 + 0.013)
     assert (pre[Attr.STEP], pre[Attr.CHUNK], pre[Attr.TOKENS_COMPUTED], pre[Attr.REQUEST_ID]) == (11, 0, 100, "cmpl-1-0")
     assert alone[Attr.STEP] == 11 and alone[Attr.STEP_PREFILL_TOKENS] == 100 and alone[Attr.STEP_DECODE_TOKENS] == 1
-    assert waited[Attr.STEP] == 12 and waited[Attr.WAITING] == 2 and Attr.STEP_COUNT not in waited
 
 
 def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypatch):

@@ -146,7 +146,8 @@ PendingStep = tuple
 
 @dataclass(slots=True)
 class DecodeRun:
-    """Consecutive decode-only steps with nobody waiting, merged into one span."""
+    """Consecutive decode-only steps merged into one span: all with nobody waiting, or all with
+    requests waiting (then with the seats and how many steps held every one of them)."""
 
     start: float
     end: float
@@ -159,6 +160,15 @@ class DecodeRun:
     execute: float
     update: float
     idle: float
+    waiting: int = 0  # the most requests waiting at any of its steps
+    seats: int = 0  # vLLM's max_num_running_reqs, when requests waited
+    full: int = 0  # steps in which requests waited and every seat was held
+
+
+#: an engine-loop pause this long before a decode step with requests waiting starts a new run:
+#: the idle time shows as a gap between step spans (analyzer.gaps: engine bubbles), not inside
+#: a run (with nobody waiting, a pause cannot delay a first token: it stays in the run's idle)
+RUN_SPLIT_IDLE_S = 0.002
 
 
 @dataclass
@@ -411,31 +421,41 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
     total = out.total_num_scheduled_tokens
     sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
     idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
-    if work is None and not waiting:
-        if not total:
+    if work is None:
+        # decode-only steps: merged into runs (one span a second at most), the steps with
+        # requests waiting apart from those without, a waiting run split where the loop idled
+        if not total:  # requests waiting, nothing scheduled: no span (as before)
+            if waiting:
+                flush_decode_run(st)
             return
-        # decode-only steps with nobody waiting cannot delay a first token: merge runs of them
-        # into one span (the timeline stays continuous at a fraction of the cost)
+        seats = sched.max_num_running_reqs if waiting else 0
+        full = 1 if waiting and running >= seats else 0
+        done = None
         with st.lock:
             r = st.decode_run
-            if r is None:
-                st.decode_run = DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s, idle_s)
-                return
-            r.end, r.last, r.steps, r.decode_tokens = t_u1, step, r.steps + 1, r.decode_tokens + total
-            if running > r.running:
-                r.running = running
-            r.schedule += sched_s
-            r.execute += exec_s
-            r.update += upd_s
-            r.idle += idle_s
-            full = r.steps >= 512 or t_u1 - r.start > 1.0
-        if full:
+            if r is None or (r.waiting > 0) != (waiting > 0) or (waiting and idle_s >= RUN_SPLIT_IDLE_S):
+                done, st.decode_run = r, DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s,
+                                                   idle_s, waiting, seats, full)
+                full_run = False
+            else:
+                r.end, r.last, r.steps, r.decode_tokens = t_u1, step, r.steps + 1, r.decode_tokens + total
+                if running > r.running:
+                    r.running = running
+                if waiting > r.waiting:
+                    r.waiting = waiting
+                r.full += full
+                r.schedule += sched_s
+                r.execute += exec_s
+                r.update += upd_s
+                r.idle += idle_s
+                full_run = r.steps >= 512 or t_u1 - r.start > 1.0
+        if done is not None:
+            span(SpanName.STEP, done.start, done.end, (_run_attrs, (done, st.engine)))
+        elif full_run:
             flush_decode_run(st)
         return
     flush_decode_run(st)
-    if work is None and not total:  # requests waiting, nothing scheduled: no span (as before)
-        return
-    if work is not None and any(c.prefix_hash is not None for c in work[0]) and _export_backed_up():
+    if any(c.prefix_hash is not None for c in work[0]) and _export_backed_up():
         for c in work[0]:  # let the prompts go now: the queue may hold these spans a long time
             if c.prefix_hash is not None:
                 c.prefix_hash.freeze()
@@ -481,6 +501,10 @@ def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
 
 
 def _run_attrs(r: DecodeRun, engine: str) -> dict:
-    return {Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
-            Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: 0, Attr.ENGINE: engine,
-            **_anatomy_attrs(r.schedule, r.execute, r.update, r.idle)}
+    attrs = {Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
+             Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: r.waiting,
+             Attr.ENGINE: engine, **_anatomy_attrs(r.schedule, r.execute, r.update, r.idle)}
+    if r.waiting:
+        attrs[Attr.MAX_NUM_SEQS] = r.seats
+        attrs[Attr.STEP_FULL] = r.full
+    return attrs

@@ -17,10 +17,14 @@ by environment variables, read in the process where the cause belongs:
   exists (a slow interconnect), inside the collective (under the communicator's
   ``all_reduce``, where ttftscope times it in eager mode). The flag lets one server run
   clean, then slowed.
-* ``PLANTED_SWITCH_DIR`` (a directory): the delivery stall, the execute and update slowness and
-  the slow tokenizer are then planted only while a file named after their variable exists there
+* ``PLANTED_SWITCH_DIR`` (a directory): the delivery stall, the execute and update slowness,
+  the loop pause and the slow tokenizer are then planted only while a file named after their variable exists there
   (``PLANTED_DELIVER_STALL_MS`` ...), so that one server runs clean, then with one fault, then
   another: one start-up for several scenarios, each with the same server as its baseline.
+* ``PLANTED_LOOP_PAUSE_MS``: the engine core's busy loop pauses this long after every step
+  that ran the model, once its outputs are on their way (``EngineCore.post_step``): idle
+  engine-loop time between steps while requests wait (a bubble: as a garbage-collection pause
+  or a slow callback in the loop would make).
 * ``PLANTED_FIRST_STEPS_MS`` with ``PLANTED_FIRST_STEPS`` (a count): the first that many
   worker steps that carry requests take this much longer (one-off initialisation that the
   first requests after a start pay: lazy kernels, allocator growth, caches warming).
@@ -129,6 +133,24 @@ def _slow_first_steps(ms: float, n: int) -> None:
     gpu_worker.Worker.execute_model = execute_model
 
 
+def _loop_pause(ms: float, on) -> None:
+    from vllm.v1.engine import core
+
+    orig = core.EngineCore.post_step
+    if getattr(orig, "_planted", False):
+        return
+
+    @functools.wraps(orig)
+    def post_step(self, model_executed, *a, **kw):
+        out = orig(self, model_executed, *a, **kw)
+        if model_executed and on():
+            time.sleep(ms / 1000)
+        return out
+
+    post_step._planted = True
+    core.EngineCore.post_step = post_step
+
+
 def register() -> None:
     execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
     update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
@@ -140,6 +162,9 @@ def register() -> None:
         from vllm.v1.core.sched import scheduler
 
         _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"), before=True)  # only the engine core calls it
+    pause = float(os.environ.get("PLANTED_LOOP_PAUSE_MS", "0") or 0)
+    if pause > 0:
+        _loop_pause(pause, _switch("PLANTED_LOOP_PAUSE_MS"))  # only the engine core steps
     first_ms = float(os.environ.get("PLANTED_FIRST_STEPS_MS", "0") or 0)
     if first_ms > 0:
         _slow_first_steps(first_ms, int(os.environ.get("PLANTED_FIRST_STEPS", "0") or 0))

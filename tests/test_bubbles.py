@@ -1,0 +1,41 @@
+"""Engine-loop bubbles sized per request, on planted intervals (their truth on real vLLM:
+tests/truth/test_client_ttft.py, a planted pause in the engine loop)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from ttftscope.analyzer.gaps import bubble_delays
+from ttftscope.analyzer.synth import _table
+from ttftscope.analyzer.window import Window
+from ttftscope.schemas.store import open_store
+from ttftscope.schemas.vocabulary import Attr, SpanName
+
+MS = 1_000_000
+T0 = 1_700_000_000_000_000_000
+
+
+def _spans(rows: list[tuple[str, str, int, int]], engine: str = "engine-0") -> pa.Table:
+    """(span name, trace id, start ms, duration ms) -> spans on one engine."""
+    n = len(rows)
+    name, trace, start, dur = (np.array(c, dtype=object) for c in zip(*rows, strict=True))
+    return _table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
+                  "Internal", "vllm", {"service.name": "vllm"}, {Attr.ENGINE: np.full(n, engine, dtype=object)},
+                  dur.astype(np.int64) * MS)
+
+
+def test_idle_between_steps_counts_inside_each_requests_wait_only(tmp_path):
+    # steps at 0-4, 14-18, 28-32, 33-37 (ms): idle 10, 10 and 1 ms (the last below the 2 ms floor)
+    steps = [(SpanName.STEP, f"s{i}", a, 4) for i, a in enumerate((0, 14, 28, 33))]
+    reqs = [
+        # scheduled at 1 ms, prefilled in the steps at 14 and 28: both 10 ms bubbles delayed it
+        (SpanName.QUEUE, "a", 1, 13), (SpanName.PREFILL, "a", 14, 4), (SpanName.PREFILL, "a", 28, 4),
+        # the scheduler had it at 20 ms, mid-bubble: 8 ms of it, none of the 1 ms one
+        (SpanName.QUEUE, "b", 20, 8), (SpanName.PREFILL, "b", 33, 4),
+        # prefilled in the first step: no bubble inside its wait
+        (SpanName.QUEUE, "c", -1, 1), (SpanName.PREFILL, "c", 0, 4),
+    ]
+    st = open_store(str(tmp_path / "s"))
+    st.insert_spans(pa.concat_tables([_spans(steps), _spans(reqs)]), "p")
+    got = dict(bubble_delays(st, Window(T0 - 10**9, T0 + 10**9)).iter_rows())
+    assert got == {"a": 20 * MS, "b": 8 * MS}, got
