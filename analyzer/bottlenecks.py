@@ -313,6 +313,8 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
 @detector("scheduling_bubbles")
 def engine_bubble_findings(ctx: Context) -> list[Finding]:
     bubbles = ctx.bubbles
+    if not bubbles:
+        return []
     share = bubbles.get("idle_share", 0.0)
     sev = "high" if share >= 0.2 else "medium" if share >= 0.1 else None
     reqs = [r for t in bubbles.get("top", []) for r in t["delayed_requests"]][:10]

@@ -65,11 +65,12 @@ def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 1
 def bubble_delays(store, window: Window, min_idle_ms: float = 2.0) -> pl.DataFrame:
     """Per request (``trace_id``, ``bubble_ns``): the engine-loop idle time (intervals of at
     least ``min_idle_ms`` between consecutive steps of its engine) inside the request's wait
-    for its first token on the engine — from when the scheduler had it (its queue span starts)
-    to the end of its last prefill chunk. The engine had work then (this request), so every
-    such interval delayed it: removing the bubbles removes that time (impact's
-    ``scheduling_bubbles``). Idle before the scheduler had the request (an empty engine) is not
-    counted, nor the loop's own few hundred microseconds between steps."""
+    for its first token on the engine — from when the engine core's input thread had it (its
+    intake span's IPC part ends; else when the scheduler had it) to the end of its last prefill
+    chunk. The engine had work then (this request), so every such interval delayed it: removing
+    the bubbles removes that time (impact's ``scheduling_bubbles``). Idle before the request
+    reached the engine core is not counted, nor the loop's own few hundred microseconds between
+    steps."""
     q = Window.time_filter()
     steps = store.query(f"""
         SELECT engine, prev_en AS b0, st AS b1 FROM (
@@ -79,11 +80,16 @@ def bubble_delays(store, window: Window, min_idle_ms: float = 2.0) -> pl.DataFra
                      ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_en
           FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {q})
         WHERE prev_en > 0 AND st - prev_en >= {int(min_idle_ms * 1e6)}""", window.params())
+    rx = f"mapContains(SpanAttributes, '{Attr.INTAKE_IPC_NS}')"
     reqs = store.query(f"""
         SELECT TraceId AS trace_id, anyIf(SpanAttributes['{Attr.ENGINE}'], SpanName = '{SpanName.PREFILL}') AS engine,
-               minIf(toUnixTimestamp64Nano(Timestamp), SpanName = '{SpanName.QUEUE}') AS r0,
+               if(countIf(SpanName = '{SpanName.INTAKE}' AND {rx}) > 0,
+                  minIf(toUnixTimestamp64Nano(Timestamp) + toInt64OrZero(SpanAttributes['{Attr.INTAKE_IPC_NS}']),
+                        SpanName = '{SpanName.INTAKE}' AND {rx}),
+                  minIf(toUnixTimestamp64Nano(Timestamp), SpanName = '{SpanName.QUEUE}')) AS r0,
                maxIf(toUnixTimestamp64Nano(Timestamp) + toInt64(Duration), SpanName = '{SpanName.PREFILL}') AS r1
-        FROM otel_traces WHERE SpanName IN ('{SpanName.QUEUE}', '{SpanName.PREFILL}') AND {q}
+        FROM otel_traces
+        WHERE SpanName IN ('{SpanName.INTAKE}', '{SpanName.QUEUE}', '{SpanName.PREFILL}') AND {q}
         GROUP BY TraceId HAVING countIf(SpanName = '{SpanName.QUEUE}') > 0
                            AND countIf(SpanName = '{SpanName.PREFILL}') > 0""", window.params())
     if steps.height == 0 or reqs.height == 0:

@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from ttftscope.analyzer.findings import Context, run_detectors  # noqa: E402
+from ttftscope.analyzer.gaps import engine_bubbles  # noqa: E402
 from ttftscope.analyzer.impact import REMOVED, impact_ms  # noqa: E402
 from ttftscope.analyzer.window import Window  # noqa: E402
 from ttftscope.schemas.slo import SLO  # noqa: E402
@@ -126,8 +127,8 @@ def trial(tmp: Path) -> dict:
         top = rep["findings"][0] if rep["findings"] else None
         mine = next((f for f in rep["findings"] if f["kind"] == want), None)
         if mine and want in PER_REQUEST:  # as the report computed it: with the detector's own numbers
-            (mine,) = run_detectors(Context(open_store(store, create=False), Window.last(3600, run=name), SLO(), df),
-                                    only=[want])
+            st, window = open_store(store, create=False), Window.last(3600, run=name)
+            (mine,) = run_detectors(Context(st, window, SLO(), df, bubbles=engine_bubbles(st, window)), only=[want])
             df = df.join(mine.pop("per_request"), on="trace_id", how="left")
         imp = impact_ms(df, REMOVED[want](mine))[0] if mine and want in REMOVED else {}
         out[name] = {"top1": bool(top and top["kind"] == want), "found": mine is not None,

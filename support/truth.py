@@ -109,6 +109,35 @@ def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = Tru
     return out
 
 
+def drive_pairs(srv: VllmServer, switches: Path, fault: str, tags: tuple[str, str], n: int = 24) -> list[dict]:
+    """The clean load's ``n`` prompts (its mix of streaming and not, completions and chat), each
+    sent twice in a row, once as is and once with ``fault`` switched on (its file in
+    ``switches``), alternating which goes first; ``tags``: the one-token word in front of each
+    (the clean one's, the faulty one's: no prefix-cache hit from its twin). Clean and faulty
+    requests share every condition of the run, so the fault's effect is their difference.
+    One token each (a first token that decodes to no text would make a stream wait whole
+    decode steps for one with text, a wait that varies from run to run with the tokens the
+    dummy weights produce). Rows: ``faulty``."""
+    flag = switches / fault
+    out = []
+    for i in range(n):
+        stream, chat = i % 3 != 2, i % 4 == 3
+        own = prompt_of(40 + 20 * (i % 5), 100 + i)
+        for faulty in ((False, True) if i % 2 == 0 else (True, False)):
+            if faulty:
+                flag.touch()
+            try:
+                row = client_ttft(srv.port, srv.model, tags[faulty] + " " + own, stream, chat, 1)
+            finally:
+                flag.unlink(missing_ok=True)
+            out.append({**row, "stream": stream, "faulty": faulty})
+            time.sleep(0.05)
+    return out
+
+
+drive_pairs.toggles = True  # drive_parts hands it the switch directory: it switches its own fault
+
+
 def drive_prefix(srv: VllmServer, n: int = 24) -> list[dict]:
     """``n`` prompts that start with the same long prefix (LONG_SHARED, then 40–120 words of
     their own, after a one-token tag), each sent three times in a row, the tag differing (the
@@ -241,9 +270,12 @@ FAULTS = {
 SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's prompts are the
     # same but for a one-token tag in front, so no part hits another's prefix cache
     "clean": ((), functools.partial(drive, tag="a")),
-    "stall": (("PLANTED_DELIVER_STALL_MS",), functools.partial(drive, tag="b", warm=False)),
-    "slowtok": (("PLANTED_TOKENIZE_US_PER_TOKEN",), functools.partial(drive, tag="c", warm=False)),
-    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False)),
+    # the clean load's prompts in clean and faulty twins (per-request faults: their baseline within)
+    "stall": ((), functools.partial(drive_pairs, fault="PLANTED_DELIVER_STALL_MS", tags=("b", "i"))),
+    "slowtok": ((), functools.partial(drive_pairs, fault="PLANTED_TOKENIZE_US_PER_TOKEN", tags=("c", "j"))),
+    # a fault the finding reads from every step of its window (the engine's host share): the whole
+    # part, one token each as the slowtok part's clean twins, its baseline just before
+    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False, max_tokens=1)),
     # long-prefix requests, each as a prefix-cache hit and salted (a miss), interleaved: what misses cost
     "prefix": ((), drive_prefix),
     # bursts that queue, the engine loop pausing 10 ms after every step in every other burst
@@ -270,7 +302,8 @@ def drive_parts(srv: VllmServer, switches: Path) -> list[dict]:
             (switches / f).touch()
         time.sleep(0.3)
         since = time.time()
-        rows = load(srv, switches) if getattr(load, "toggles", False) else load(srv)
+        toggles = getattr(getattr(load, "func", load), "toggles", False)  # (a partial's function)
+        rows = load(srv, switches) if toggles else load(srv)
         until = time.time()
         for f in faults:
             (switches / f).unlink()
@@ -339,7 +372,7 @@ def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: li
     finally:
         assert col.terminate() == 0
     store = open_store(col.store, create=False)
-    mine = pl.DataFrame(seen)
+    mine = pl.DataFrame(seen, infer_schema_length=None)  # parts' rows carry columns of their own
     if "since" in mine.columns:  # each part over its own window, as its report reads it (a step
         # period, a baseline, is the window's: one part's must not be averaged with another's)
         df = pl.concat([decompose(store, part_window(p, name)) for p in mine.partition_by("since")],

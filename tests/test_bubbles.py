@@ -15,13 +15,20 @@ MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
 
 
-def _spans(rows: list[tuple[str, str, int, int]], engine: str = "engine-0") -> pa.Table:
-    """(span name, trace id, start ms, duration ms) -> spans on one engine."""
+def _spans(rows: list[tuple[str, str, int, int]], ipc_ns=None, engine: str = "engine-0") -> pa.Table:
+    """(span name, trace id, start ms, duration ms) -> spans on one engine; ``ipc_ns``: each
+    span's intake IPC attribute (only intake spans carry one)."""
     n = len(rows)
     name, trace, start, dur = (np.array(c, dtype=object) for c in zip(*rows, strict=True))
-    return _table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
-                  "Internal", "vllm", {"service.name": "vllm"}, {Attr.ENGINE: np.full(n, engine, dtype=object)},
-                  dur.astype(np.int64) * MS)
+    attrs = {Attr.ENGINE: np.full(n, engine, dtype=object)}
+    t = _table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
+               "Internal", "vllm", {"service.name": "vllm"}, attrs, dur.astype(np.int64) * MS)
+    if ipc_ns is None:
+        return t
+    with_ipc = _table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
+                      "Internal", "vllm", {"service.name": "vllm"}, {**attrs, Attr.INTAKE_IPC_NS: ipc_ns},
+                      dur.astype(np.int64) * MS)
+    return pa.concat_tables([t.filter(pa.array(name != SpanName.INTAKE)), with_ipc.filter(pa.array(name == SpanName.INTAKE))])
 
 
 def test_idle_between_steps_counts_inside_each_requests_wait_only(tmp_path):
@@ -34,8 +41,12 @@ def test_idle_between_steps_counts_inside_each_requests_wait_only(tmp_path):
         (SpanName.QUEUE, "b", 20, 8), (SpanName.PREFILL, "b", 33, 4),
         # prefilled in the first step: no bubble inside its wait
         (SpanName.QUEUE, "c", -1, 1), (SpanName.PREFILL, "c", 0, 4),
+        # the input thread had it at 6 ms (sent at 5, 1 ms of IPC), the loop paused until 14:
+        # scheduled then, prefilled in the step at 28: 8 + 10 ms of bubbles
+        (SpanName.INTAKE, "d", 5, 9), (SpanName.QUEUE, "d", 14, 14), (SpanName.PREFILL, "d", 28, 4),
     ]
     st = open_store(str(tmp_path / "s"))
-    st.insert_spans(pa.concat_tables([_spans(steps), _spans(reqs)]), "p")
+    ipc = np.array([MS if r[0] == SpanName.INTAKE else 0 for r in reqs])
+    st.insert_spans(pa.concat_tables([_spans(steps), _spans(reqs, ipc)]), "p")
     got = dict(bubble_delays(st, Window(T0 - 10**9, T0 + 10**9)).iter_rows())
-    assert got == {"a": 20 * MS, "b": 8 * MS}, got
+    assert got == {"a": 20 * MS, "b": 8 * MS, "d": 18 * MS}, got
