@@ -91,7 +91,7 @@ class ChunkCost:
                 + pl.col("gap_chunk_wait") * gone / (chunks - 1).clip(lower_bound=1))
 
 
-def chunk_cost(store, window: Window) -> ChunkCost | None:
+def chunk_cost(store, window: Window, steps: pl.DataFrame | None = None) -> ChunkCost | None:
     """The chunk cost model fitted (least squares, then again without the chunks it fits worst:
     a hiccup) to the prefill chunks that had their step to themselves (a chunk's span is its
     step's model time): tokens ``n`` and what was in the KV cache before it (the first chunk's
@@ -103,7 +103,7 @@ def chunk_cost(store, window: Window) -> ChunkCost | None:
                toInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) AS cached,
                toInt64OrZero(SpanAttributes['{Attr.BATCH_SIZE}']) AS batch, toInt64(Duration) AS d
         FROM otel_traces WHERE SpanName = '{SpanName.PREFILL}' AND {Window.time_filter()}""", window.params())
-    steps = prefill_steps(store, window)
+    steps = prefill_steps(store, window) if steps is None else steps  # (the Context's, when it has them)
     budget = int((steps["prefill_tokens"] + steps["decode_tokens"]).max() or 0) if steps.height else 0
     fit = None
     if q.height >= MIN_STEPS:

@@ -74,7 +74,7 @@ class Context:
         """chunking.chunk_cost(): what a prefill chunk costs in this window (fitted on first use)."""
         from .chunking import chunk_cost
 
-        return chunk_cost(self.store, self.window)
+        return chunk_cost(self.store, self.window, self.prefill_steps)
 
     @cached_property
     def total_ttft_ms(self) -> float | None:

@@ -22,6 +22,7 @@ import subprocess
 import polars as pl
 import pytest
 from ttftscope.analyzer.decompose import PHASE_COLUMNS
+from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from support.procs import PY, ROOT, ttftscope_sql
 from support.truth import (
@@ -260,9 +261,9 @@ def test_prefix_cache_misses_are_named_with_their_size(prefix):
     (g,) = run_detectors(Context(st, window, SLO(), df), only=["prefix_cache_misses"])
     df = df.join(g["per_request"], on="trace_id", how="left")
     miss, hit = df.filter(pl.col("salted")), df.filter(~pl.col("salted"))
-    cached = st.query(f"""SELECT TraceId AS trace_id, toInt64(SpanAttributes['ttftscope.tokens.cached']) AS cached
-                          FROM otel_traces WHERE SpanName = 'ttftscope.prefill'
-                            AND SpanAttributes['ttftscope.prefill.chunk'] = '0' AND {window.time_filter()}""",
+    cached = st.query(f"""SELECT TraceId AS trace_id, toInt64(SpanAttributes['{Attr.TOKENS_CACHED}']) AS cached
+                          FROM otel_traces WHERE SpanName = '{SpanName.PREFILL}'
+                            AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {window.time_filter()}""",
                       window.params())
     hit = hit.join(cached, on="trace_id", how="left")
     assert (miss["hit_tokens"] > 0).all() and (hit["cached"] > 0).all(), (miss["hit_tokens"], hit["cached"])
