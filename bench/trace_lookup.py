@@ -19,8 +19,10 @@ import tempfile
 import time
 
 from ttftscope.schemas.columns import ARROW_SCHEMA
+from ttftscope.schemas.sql import quote
 from ttftscope.schemas.store import open_store
 from ttftscope.schemas.store.embedded import _ENGINE_LOCK, _session
+from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 
 GEN = """
 SELECT
@@ -29,13 +31,12 @@ SELECT
     lower(hex(reinterpretAsFixedString(cityHash64(number)))) AS SpanId,
     if(number % 10 = 0, '', lower(hex(reinterpretAsFixedString(cityHash64(number - number % 10))))) AS ParentSpanId,
     '' AS TraceState,
-    ['llm_request', 'ttftscope.tokenize', 'ttftscope.queue', 'ttftscope.prefill', 'ttftscope.prefill',
-     'ttftscope.allreduce', 'ttftscope.prefill', 'ttftscope.allreduce', 'ttftscope.output', 'ttftscope.step'][number % 10 + 1] AS SpanName,
+    {span_names}[number % 10 + 1] AS SpanName,
     if(number % 10 = 0, 'Server', 'Internal') AS SpanKind,
     ['vllm-api', 'vllm-engine', 'vllm-worker'][number % 3 + 1] AS ServiceName,
-    map('service.name', ServiceName, 'ttftscope.run', 'bench') AS ResourceAttributes,
+    map({service_name}, ServiceName, {run}, 'bench') AS ResourceAttributes,
     'ttftscope' AS ScopeName, '0.1.0' AS ScopeVersion,
-    map('gen_ai.request.id', concat('cmpl-', toString(intDiv(number, 10))), 'ttftscope.step', toString(number % 997)) AS SpanAttributes,
+    map({request_id}, concat('cmpl-', toString(intDiv(number, 10))), {step}, toString(number % 997)) AS SpanAttributes,
     toUInt64(1000 + cityHash64(number) % 50000000) AS Duration,
     'Unset' AS StatusCode, '' AS StatusMessage,
     CAST([], 'Array(DateTime64(9))') AS `Events.Timestamp`, CAST([], 'Array(String)') AS `Events.Name`,
@@ -44,6 +45,13 @@ SELECT
     CAST([], 'Array(String)') AS `Links.TraceState`, CAST([], 'Array(Map(String, String))') AS `Links.Attributes`
 FROM numbers({lo}, {n})
 """
+#: a request's ten spans, as the plugin and vLLM name them
+NAMES = {"span_names": "[" + ", ".join(map(quote, [SpanName.REQUEST, SpanName.TOKENIZE, SpanName.QUEUE, SpanName.PREFILL,
+                                       SpanName.PREFILL, SpanName.ALLREDUCE, SpanName.PREFILL, SpanName.ALLREDUCE,
+                                       SpanName.OUTPUT, SpanName.STEP])) + "]",
+         "service_name": quote(ResourceAttr.SERVICE_NAME), "run": quote(ResourceAttr.RUN),
+         "request_id": quote(Attr.REQUEST_ID), "step": quote(Attr.STEP)}
+
 
 
 def timed(st, sql: str, params: dict) -> float:
@@ -66,7 +74,7 @@ def main() -> None:
     for lo in range(have, a.spans, a.chunk):
         n = min(a.chunk, a.spans - lo)
         with _ENGINE_LOCK:
-            tbl = _session().query(GEN.format(lo=lo, n=n), "ArrowTable")
+            tbl = _session().query(GEN.format(lo=lo, n=n, **NAMES), "ArrowTable")
         st.insert_spans(tbl.cast(ARROW_SCHEMA), f"bench-{lo}")
         print(f"  filled {lo + n:,} / {a.spans:,} spans", flush=True)
     if have < a.spans:

@@ -40,8 +40,8 @@ def make_exporter(endpoint: str, encoding: str, compression: str = "none", **kw)
 def emit_rich_spans(endpoint: str, encoding: str, service: str, n: int = 20, **exporter_kw):
     """Emit ``n`` request trees with every OTLP feature; return the SDK's finished spans."""
     memory = InMemorySpanExporter()
-    tp = TracerProvider(resource=Resource.create({"service.name": service, "service.version": "9.9.9",
-                                                  "host.name": "h1", "ttftscope.run": "test"}))
+    tp = TracerProvider(resource=Resource.create({ResourceAttr.SERVICE_NAME: service, ResourceAttr.SERVICE_VERSION: "9.9.9",
+                                                  ResourceAttr.HOST_NAME: "h1", ResourceAttr.RUN: "test"}))
     tp.add_span_processor(SimpleSpanProcessor(memory))
     tp.add_span_processor(BatchSpanProcessor(make_exporter(endpoint, encoding, **exporter_kw),
                                              schedule_delay_millis=100))
@@ -50,15 +50,15 @@ def emit_rich_spans(endpoint: str, encoding: str, service: str, n: int = 20, **e
                           is_remote=True, trace_flags=TraceFlags(1))
     for i in range(n):
         with tr.start_as_current_span(
-            "llm_request", kind=SpanKind.SERVER,
-            attributes={"gen_ai.request.id": f"req-{i}", "i": i, "ratio": 0.25 + i, "flag": i % 2 == 0,
+            SpanName.REQUEST, kind=SpanKind.SERVER,
+            attributes={Attr.REQUEST_ID: f"req-{i}", "i": i, "ratio": 0.25 + i, "flag": i % 2 == 0,
                         "tags": ["a", "b"], "ints": [1, 2, 3], "unicode": "héllo ✓"},
             links=[Link(foreign, {"link.kind": "follows"})],
         ) as root:
             root.add_event("first_token", {"tokens": 3, "where": "api"})
-            with tr.start_as_current_span("ttftscope.queue", kind=SpanKind.INTERNAL) as q:
-                q.set_attribute("ttftscope.scheduler.waiting", i)
-            with tr.start_as_current_span("ttftscope.prefill", kind=SpanKind.CLIENT) as p:
+            with tr.start_as_current_span(SpanName.QUEUE, kind=SpanKind.INTERNAL) as q:
+                q.set_attribute(Attr.WAITING, i)
+            with tr.start_as_current_span(SpanName.PREFILL, kind=SpanKind.CLIENT) as p:
                 p.set_status(Status(StatusCode.ERROR, f"chunk {i} failed"))
             root.set_status(Status(StatusCode.OK))
     tp.force_flush()
