@@ -179,11 +179,28 @@ def _install_worker_ready() -> None:
             @functools.wraps(orig_ready)
             def wrapped(self, *a, **kw):
                 r = orig_ready(self, *a, **kw)
+                warm_profiler(WS)
                 emit_process_ready(ProcessRole.WORKER.value, WS.rank)
                 return r
             return wrapped
 
         cls.compile_or_warm_up_model = make(orig_ready)
+
+
+@guard("warm_profiler")
+def warm_profiler(ws: WorkerState) -> None:
+    """With sampled windows on, start and stop one empty profile while the worker warms up:
+    the first profile on a GPU initialises CUPTI, which stalls that step for seconds — a cost
+    for start-up, not for a request's step."""
+    if not ws.profile_every:
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
 
 @guard("profile_now")
@@ -225,9 +242,17 @@ def _profiled(ws: WorkerState, orig, *args, **kw):
             log.exception("ttftscope: profiler window failed; sampled collective windows are off")
 
 
+#: what a collective's op or kernel name contains: torch's and vLLM's ops (``c10d::allreduce_``,
+#: ``vllm::all_reduce``), NCCL's kernels (``ncclDevKernel_AllReduce_...``), symmetric-memory and
+#: FlashInfer kernels (``multimem_all_reduce``, ``allreduce_fusion``), and vLLM's custom
+#: all-reduce on NVLink GPUs, the default for TP there, whose kernels say neither
+#: (``vllm::cross_device_reduce_1stage`` / ``_2stage``)
+COLLECTIVE_NAMES = ("allreduce", "all_reduce", "cross_device_reduce")
+
+
 def _is_collective(name: str) -> bool:
     n = name.lower()
-    return "allreduce" in n or "all_reduce" in n
+    return any(c in n for c in COLLECTIVE_NAMES)
 
 
 @guard("profiled_collectives")
