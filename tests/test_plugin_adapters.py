@@ -69,6 +69,22 @@ def test_eager_or_compiled_is_read_from_vllms_compilation_config():
     assert not model_runs_eagerly(cfg(CompilationMode.NONE, CUDAGraphMode.PIECEWISE))
 
 
+@pytest.mark.parametrize("name, collective", [
+    ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>(vllm::RankData*, vllm::RankSignals, ...)", True),
+    ("void vllm::cross_device_reduce_2stage<half, 8>(...)", True),  # vLLM's custom all-reduce (NVLink TP)
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", True),
+    ("vllm::all_reduce", True), ("c10d::allreduce_", True), ("symm_mem::multimem_all_reduce_", True),
+    ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x3_tn", False), ("aten::add_", False),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ...>>", False),
+])
+def test_profiled_windows_know_collective_kernels_by_name(name, collective):
+    """In a sampled window of a compiled/graph step, a kernel's name is all that says it is a
+    collective; vLLM's default all-reduce on NVLink GPUs names neither 'allreduce' nor 'all_reduce'."""
+    from ttftscope.collector.vllm_plugin.worker import _is_collective
+
+    assert _is_collective(name) is collective
+
+
 def test_config_honours_the_standard_otel_variables():
     c = PluginConfig.from_env({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
                                "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_MAX_QUEUE_SIZE": "1000",
