@@ -323,7 +323,7 @@ def engine_bubble_findings(ctx: Context) -> list[Finding]:
                  request_ids=[r["request_id"] for r in reqs], trace_ids=[r["trace_id"] for r in reqs],
                  idle_ms=bubbles["idle_ms"])
     if f:
-        f["per_request"] = bubble_delays(ctx.store, ctx.window)  # for impact.calibrate
+        f["per_request"] = bubble_delays(ctx.store, ctx.window, steps=ctx.step_gaps)  # for impact.calibrate
     return [f] if f else []
 
 

@@ -63,6 +63,13 @@ class Context:
     steps: dict = field(default_factory=dict)  # steps.step_anatomy()
 
     @cached_property
+    def step_gaps(self) -> pl.DataFrame:
+        """gaps.step_gaps(): every engine step with the end of the one before it (queried on first use)."""
+        from .gaps import step_gaps
+
+        return step_gaps(self.store, self.window)
+
+    @cached_property
     def prefill_steps(self) -> pl.DataFrame:
         """steps.prefill_steps(): the steps that computed prompt tokens (queried on first use)."""
         from .steps import prefill_steps

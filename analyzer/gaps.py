@@ -33,9 +33,12 @@ def request_gaps(df: pl.DataFrame) -> dict:
     return out
 
 
-def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 10) -> dict:
-    """Idle intervals on each engine timeline while requests waited."""
-    df = store.query(f"""
+def step_gaps(store, window: Window) -> pl.DataFrame:
+    """Every engine step in the window with the end of the step before it on the same engine:
+    ``engine, st, en, waiting, prev_en, idle`` (ns; the first step of each engine left out).
+    The one step query that :func:`engine_bubbles` and :func:`bubble_delays` share (the
+    report computes it once, on its :class:`~.findings.Context`)."""
+    return store.query(f"""
         SELECT engine, st, en, waiting, prev_en, st - prev_en AS idle FROM (
           SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, toUnixTimestamp64Nano(Timestamp) AS st,
                  st + toInt64(Duration) AS en, toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) AS waiting,
@@ -43,6 +46,13 @@ def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 1
                      ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_en
           FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()})
         WHERE prev_en > 0""", window.params())
+
+
+def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 10,
+                   steps: pl.DataFrame | None = None) -> dict:
+    """Idle intervals on each engine timeline while requests waited (``steps``: a
+    :func:`step_gaps` frame already computed for the window)."""
+    df = step_gaps(store, window) if steps is None else steps
     if df.height == 0:
         return {"steps": 0, "bubbles": 0, "idle_ms": 0.0, "busy_ms": 0.0, "idle_share": 0.0, "top": []}
     busy = float((df["en"] - df["st"]).sum())
@@ -62,7 +72,8 @@ def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 1
             "idle_share": idle / (idle + busy) if busy else 0.0, "top": tops}
 
 
-def bubble_delays(store, window: Window, min_idle_ms: float = 2.0) -> pl.DataFrame:
+def bubble_delays(store, window: Window, min_idle_ms: float = 2.0,
+                  steps: pl.DataFrame | None = None) -> pl.DataFrame:
     """Per request (``trace_id``, ``bubble_ns``): the engine-loop idle time (intervals of at
     least ``min_idle_ms`` between consecutive steps of its engine) inside the request's wait
     for its first token on the engine — from when the engine core's input thread had it (its
@@ -70,16 +81,11 @@ def bubble_delays(store, window: Window, min_idle_ms: float = 2.0) -> pl.DataFra
     chunk. The engine had work then (this request), so every such interval delayed it: removing
     the bubbles removes that time (impact's ``scheduling_bubbles``). Idle before the request
     reached the engine core is not counted, nor the loop's own few hundred microseconds between
-    steps."""
+    steps. ``steps``: a :func:`step_gaps` frame already computed for the window."""
     q = Window.time_filter()
-    steps = store.query(f"""
-        SELECT engine, prev_en AS b0, st AS b1 FROM (
-          SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, toUnixTimestamp64Nano(Timestamp) AS st,
-                 st + toInt64(Duration) AS en,
-                 lagInFrame(en, 1, toInt64(0)) OVER (PARTITION BY engine ORDER BY st
-                     ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_en
-          FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {q})
-        WHERE prev_en > 0 AND st - prev_en >= {int(min_idle_ms * 1e6)}""", window.params())
+    g = step_gaps(store, window) if steps is None else steps
+    steps = (g.filter(pl.col("idle") >= int(min_idle_ms * 1e6))
+              .select("engine", pl.col("prev_en").alias("b0"), pl.col("st").alias("b1")))
     rx = f"mapContains(SpanAttributes, '{Attr.INTAKE_IPC_NS}')"
     reqs = store.query(f"""
         SELECT TraceId AS trace_id, anyIf(SpanAttributes['{Attr.ENGINE}'], SpanName = '{SpanName.PREFILL}') AS engine,

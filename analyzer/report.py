@@ -65,15 +65,14 @@ def analyze(store, window: Window, slo: SLO | None = None,
 
     report["critical_path"] = path_by_band(walk_back(request_phase_spans(store, window)), df)
     prog(3, total, "gaps: request gaps, engine bubbles, cold start")
-    bubbles = engine_bubbles(store, window)
-    report["gaps"] = {"request": request_gaps(df), "engine": bubbles}
-    cold = cold_start(store, window, slo.cold_start_max_s)
-    report["cold_start"] = cold
+    ctx = Context(store, window, slo, df)
+    ctx.bubbles = engine_bubbles(store, window, steps=ctx.step_gaps)
+    report["gaps"] = {"request": request_gaps(df), "engine": ctx.bubbles}
+    ctx.cold = report["cold_start"] = cold_start(store, window, slo.cold_start_max_s)
     from .steps import step_anatomy
 
-    report["steps"] = step_anatomy(store, window)
+    ctx.steps = report["steps"] = step_anatomy(store, window)
     prog(4, total, "bottlenecks: detectors and ranking")
-    ctx = Context(store, window, slo, df, cold=cold, bubbles=bubbles, steps=report["steps"])
     findings = bn.rank(run_detectors(ctx))
     from .impact import calibrate
 
