@@ -17,6 +17,7 @@ import random
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
@@ -396,3 +397,91 @@ def analyze(store: str, run: str, since: float | None = None, until: float | Non
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode in (0, 1), r.stderr  # 1: an SLO target missed (a queue wait under seats load)
     return json.loads(r.stdout)
+
+
+#: findings whose counterfactual needs their detector's per-request numbers (not in the report)
+PER_REQUEST = {"prefix_cache_misses", "scheduling_bubbles"}
+
+
+@dataclass
+class Sized:
+    """A planted cause against the client's own stopwatch: the report's findings (ranked), what
+    the fault cost the client at p50 (the faulty requests' TTFT p50 minus their baseline's, the
+    same run), and what the cause's finding says removing it would save at p50 on the same
+    client-timed requests (None without the finding). ``fault`` and ``base`` are the rows, with
+    the detector's per-request numbers joined where it has them (PER_REQUEST)."""
+
+    want: str
+    kinds: list[str]
+    effect_ms: float
+    impact_ms: float | None
+    finding: dict | None
+    fault: pl.DataFrame
+    base: pl.DataFrame
+
+    @property
+    def top1(self) -> bool:
+        return bool(self.kinds) and self.kinds[0] == self.want
+
+    @property
+    def error(self) -> float | None:
+        """|impact - effect| / effect (None without an impact or an effect to speak of)."""
+        if self.impact_ms is None or self.effect_ms <= 1.0:
+            return None
+        return abs(self.impact_ms - self.effect_ms) / self.effect_ms
+
+    def __str__(self) -> str:
+        imp = "none" if self.impact_ms is None else f"{self.impact_ms:.1f}"
+        return f"{self.want}: top {self.kinds[:1]}, the client lost {self.effect_ms:.1f} ms at p50, the finding says {imp}"
+
+
+def sized(report: dict, want: str, fault: pl.DataFrame, base: pl.DataFrame, store: str | None = None,
+          window: Window | None = None, rows: pl.DataFrame | None = None) -> Sized:
+    """Size the finding ``want`` of ``report`` on the ``fault`` rows against their ``base``.
+    For a PER_REQUEST finding its detector runs again over ``window`` of ``store`` (the analysis
+    context's frame: ``rows``, default both sets) for the per-request numbers the report leaves out."""
+    from ttftscope.analyzer.findings import Context, run_detectors
+    from ttftscope.analyzer.gaps import engine_bubbles
+    from ttftscope.analyzer.impact import REMOVED, impact_ms
+    from ttftscope.schemas.slo import SLO
+
+    effect = float(fault["client_ms"].median()) - float(base["client_ms"].median())
+    f = next((x for x in report["findings"] if x["kind"] == want), None)
+    if f is not None and want in PER_REQUEST:
+        ctx_rows = pl.concat([fault, base], how="diagonal_relaxed") if rows is None else rows
+        ctx = Context(open_store(store, create=False), window, SLO(), ctx_rows)
+        ctx.bubbles = engine_bubbles(ctx.store, window, steps=ctx.step_gaps)  # as the report's context has it
+        (f,) = run_detectors(ctx, only=[want])
+        per = f.pop("per_request")
+        fault, base = (d.join(per, on="trace_id", how="left") for d in (fault, base))
+    imp = float(impact_ms(fault, REMOVED[want](f))[0]["p50"]) if f is not None and want in REMOVED else None
+    return Sized(want, [x["kind"] for x in report["findings"]], effect, imp, f, fault, base)
+
+
+def part_report(rows: pl.DataFrame, store: str, run: str) -> dict:
+    """The report over one part's window (its rows' ``since``..``until``)."""
+    return analyze(store, run, since=rows["since"].min(), until=rows["until"].max())
+
+
+def sized_parts(df: pl.DataFrame, store: str, run: str, only: set[str] | None = None) -> dict[str, Sized]:
+    """Every sized part of a ``drive_parts`` run (rows ``df``, served as ``run``): the delivery
+    stall and the slow tokenizer against their clean twins, the engine's host overhead against the
+    slow-tokenizer part's clean twins just before it, prefix-cache misses against the hits on
+    the same prompts, the bubbles' paused bursts against the clean ones."""
+    part = {p: df.filter(pl.col("part") == p) for p in SWITCHED_PARTS}
+    twins = {p: (part[p].filter(pl.col("faulty")), part[p].filter(~pl.col("faulty"))) for p in ("stall", "slowtok")}
+    plan = {  # what -> (the part whose window is reported, its finding, faulty rows, baseline rows)
+        "stall": ("stall", "deliver_dominates", *twins["stall"]),
+        "slowtok": ("slowtok", "tokenize_dominates", *twins["slowtok"]),
+        "host": ("host", "engine_host_overhead", part["host"], twins["slowtok"][1]),
+        "prefix": ("prefix", "prefix_cache_misses", part["prefix"].filter(pl.col("salted")),
+                   part["prefix"].filter(~pl.col("salted"))),
+        "bubbles": ("bubbles", "scheduling_bubbles", part["bubbles"].filter(pl.col("paused")),
+                    part["bubbles"].filter(~pl.col("paused"))),
+    }
+    out = {}
+    for what, (p, want, fault, base) in plan.items():
+        if only is None or what in only:
+            out[what] = sized(part_report(part[p], store, run), want, fault, base, store,
+                              part_window(part[p], run), rows=part[p])
+    return out
