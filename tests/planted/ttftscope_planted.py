@@ -24,8 +24,7 @@ by environment variables, read in the process where the cause belongs:
 * ``PLANTED_LOOP_PAUSE_MS``: the engine core's busy loop pauses this long after every step
   that ran the model, once its outputs are on their way (``EngineCore.post_step``): idle
   engine-loop time between steps while requests wait (a bubble: as a garbage-collection pause
-  or a slow callback in the loop would make); with ``PLANTED_LOOP_PAUSE_SPIN=1`` the pause busy-waits
-  (the engine core's host busy, keeping its CPU) instead of sleeping.
+  or a slow callback in the loop would make).
 * ``PLANTED_FIRST_STEPS_MS`` with ``PLANTED_FIRST_STEPS`` (a count): the first that many
   worker steps that carry requests take this much longer (one-off initialisation that the
   first requests after a start pay: lazy kernels, allocator growth, caches warming).
@@ -134,7 +133,7 @@ def _slow_first_steps(ms: float, n: int) -> None:
     gpu_worker.Worker.execute_model = execute_model
 
 
-def _loop_pause(ms: float, on, spin: bool = False) -> None:
+def _loop_pause(ms: float, on) -> None:
     from vllm.v1.engine import core
 
     orig = core.EngineCore.post_step
@@ -145,12 +144,7 @@ def _loop_pause(ms: float, on, spin: bool = False) -> None:
     def post_step(self, model_executed, *a, **kw):
         out = orig(self, model_executed, *a, **kw)
         if model_executed and on():
-            if spin:  # the engine core's host busy elsewhere: it keeps its CPU
-                end = time.perf_counter() + ms / 1000
-                while time.perf_counter() < end:
-                    pass
-            else:
-                time.sleep(ms / 1000)
+            time.sleep(ms / 1000)
         return out
 
     post_step._planted = True
@@ -170,8 +164,7 @@ def register() -> None:
         _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"), before=True)  # only the engine core calls it
     pause = float(os.environ.get("PLANTED_LOOP_PAUSE_MS", "0") or 0)
     if pause > 0:
-        _loop_pause(pause, _switch("PLANTED_LOOP_PAUSE_MS"),  # only the engine core steps
-                    spin=os.environ.get("PLANTED_LOOP_PAUSE_SPIN", "") == "1")
+        _loop_pause(pause, _switch("PLANTED_LOOP_PAUSE_MS"))  # only the engine core steps
     first_ms = float(os.environ.get("PLANTED_FIRST_STEPS_MS", "0") or 0)
     if first_ms > 0:
         _slow_first_steps(first_ms, int(os.environ.get("PLANTED_FIRST_STEPS", "0") or 0))
