@@ -14,8 +14,9 @@ violated target back within it, or the impact is at least a quarter of the targe
 milliseconds on a server far inside its SLO is at most low. A detector's own verdict can
 only be lowered by this, never raised. Within a severity, findings are ranked by impact at
 that percentile; a specific cause goes before the phase it inflates (``INFLATES``: idle
-engine-loop bubbles before a long queue) when it explains at least half of that phase's
-impact, and at equal impact anyway; findings without a per-request impact (cold start,
+engine-loop bubbles before a long queue), and before a finding it brings about (``CAUSES``:
+prefix-cache misses before the extra chunks of the chunk budget), when it explains at least half
+of that one's impact, and at equal impact anyway; findings without a per-request impact (cold start,
 regressions, load tracking) follow by their detector's score.
 """
 
@@ -193,16 +194,29 @@ INFLATES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: causes -> the other findings whose time they bring about: a prompt whose shared prefix missed
+#: the cache computes those tokens too, in chunks it would not have needed (chunk_budget and
+#: chunk_wait size the chunking the misses add to)
+CAUSES: dict[str, tuple[str, ...]] = {
+    "prefix_cache_misses": ("chunk_budget", "chunk_wait"),
+}
+
+
 def causes_first(ranked: list[dict], qk: str, explains: float = 0.5) -> list[dict]:
-    """A phase's dominance finding moves behind a specific cause of that phase's time ranked
-    after it at the same severity, when the cause's impact is at least ``explains`` of the
-    phase's: the cause is the answer to why the phase is long (idle engine-loop bubbles behind
-    a long queue)."""
+    """A finding moves behind a cause of its time ranked after it at the same severity, when
+    the cause's impact is at least ``explains`` of its own: the cause is the answer to why that
+    time is long. A phase's dominance finding is behind the specific causes that inflate the
+    phase (``INFLATES``: idle engine-loop bubbles behind a long queue); a finding is behind what
+    brings it about (``CAUSES``: prefix-cache misses behind the chunk budget's extra chunks)."""
+    def explained(f: dict) -> Callable[[dict], bool]:
+        phase = f["kind"].removesuffix("_dominates") if f["kind"].endswith("_dominates") else None
+        return lambda c: (phase in INFLATES.get(c["kind"], ()) if phase else f["kind"] in CAUSES.get(c["kind"], ()))
+
     out = list(ranked)
-    for d in [f for f in ranked if f["kind"].endswith("_dominates") and f.get("impact_ms")]:
-        phase, i = d["kind"].removesuffix("_dominates"), out.index(d)
-        later = [c for c in out[i + 1:] if phase in INFLATES.get(c["kind"], ()) and c.get("impact_ms")
-                 and c["severity"] == d["severity"] and c["impact_ms"][qk] >= explains * d["impact_ms"][qk]]
+    for d in [f for f in ranked if f.get("impact_ms")]:
+        i, by = out.index(d), explained(d)
+        later = [c for c in out[i + 1:] if by(c) and c.get("impact_ms") and c["severity"] == d["severity"]
+                 and c["impact_ms"][qk] >= explains * d["impact_ms"][qk]]
         if later:
             c = later[0]
             out.remove(c)
