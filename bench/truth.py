@@ -135,9 +135,9 @@ def _first(tmp: Path) -> Sized:
     return Sized("cold_requests", kinds, seen, float(claimed["lost"].mean()), f, claimed, rest)
 
 
-def trial(tmp: Path, only: set[str]) -> tuple[dict[str, Sized], bool, list]:
+def trial(tmp: Path, only: set[str]) -> tuple[dict[str, Sized], bool | None, list]:
     out: dict[str, Sized] = {}
-    quiet, clean = False, []
+    quiet, clean = None, []  # (the control runs on the parts server)
     if only & set(PARTS) or not only - set(PARTS):  # the parts server also holds the control
         got, quiet, clean = _parts(_dir(tmp, "parts"), only & set(PARTS))
         out.update(got)
@@ -171,13 +171,15 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as d:
             r, quiet, clean = trial(Path(d), only)
         results.append((r, quiet, clean))
-        print(f"trial {i + 1}: control quiet={quiet} {clean}", flush=True)
+        print(f"trial {i + 1}: " + ("" if quiet is None else f"control quiet={quiet} {clean}"), flush=True)
         for name, s in r.items():
             err = "" if s.error is None else f" (error {s.error:.0%})"
             print(f"  {name:<9} top-1={s.top1} {s}{err}; findings {s.kinds[:4]}", flush=True)
     names = [n for n in SCENARIOS if n in only]
     print(f"\nover {len(results)} trials")
-    print(f"  clean control quiet (nothing above low): {sum(q for _, q, _ in results)}/{len(results)}")
+    ran = [q for _, q, _ in results if q is not None]
+    if ran:
+        print(f"  clean control quiet (nothing above low): {sum(ran)}/{len(ran)}")
     top1 = [r[n].top1 for r, _, _ in results for n in names]
     print(f"  top-1 accuracy: {sum(top1)}/{len(top1)} = {sum(top1) / len(top1):.2f}")
     errs_all = []
