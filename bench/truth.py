@@ -18,7 +18,8 @@ test-only vLLM plugin in tests/planted, or a flag, each against a baseline in th
   a server each:
   nocache  --no-enable-prefix-caching under shared-prefix traffic (prefix_cache_misses; top-1
            only: its load has no baseline without the fault)
-  budget   900-token prompts at --max-num-batched-tokens 64, against the same at 2048 (chunk_budget)
+  budget   900-token prompts in alternating blocks on one server (2048 tokens a step), the
+           scheduler's token budget held at 32 in every other block (chunk_budget)
   decodes, burst  at --max-num-seqs 2 (support/truth.drive_seats: three clients keeping 80-token
            decodes running while requests arrive; bursts of 12), against the same at 128
            (queue_dominates)
@@ -58,14 +59,15 @@ from support.truth import (  # noqa: E402
     SHARED_LOAD,
     Sized,
     analyze,
+    drive_budget,
     drive_cold,
-    drive_long,
     drive_parts,
     drive_seats,
     drive_switched,
     part_report,
     served,
     sized,
+    sized_budget,
     sized_parts,
     switched_env,
 )
@@ -144,8 +146,12 @@ def trial(tmp: Path, only: set[str]) -> tuple[dict[str, Sized], bool | None, lis
     if "nocache" in only:
         out["nocache"] = _nocache(tmp)
     if "budget" in only:
-        out.update(_pair(tmp, "budget", drive_long, ["--max-num-batched-tokens", "64"],
-                         ["--max-num-batched-tokens", "2048"], "chunk_budget"))
+        sw = _dir(tmp, "budget") / "switches"
+        sw.mkdir()
+        df, store = served(tmp / "budget", "budget", drive=functools.partial(drive_budget, switches=sw),
+                           env={"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(sw), "PLANTED_TOKEN_BUDGET": "32"},
+                           extra=["--max-num-batched-tokens", "2048"])
+        out["budget"] = sized_budget(df, store, "budget")
     if only & {"decodes", "burst"}:
         got = _pair(tmp, "seats", drive_seats, ["--max-num-seqs", "2"], ["--max-num-seqs", "128"],
                     "queue_dominates", part="part")

@@ -163,15 +163,31 @@ def drive_prefix(srv: VllmServer, n: int = 24) -> list[dict]:
     return out
 
 
-def drive_long(srv: VllmServer, words: int = 900, n: int = 16) -> list[dict]:
-    """Long prompts (``words`` words, about as many tokens), one at a time, streaming: the load
-    of the prefill-budget scenario (compare a small and a large ``--max-num-batched-tokens``)."""
+def drive_budget(srv: VllmServer, switches: Path, words: int = 900, blocks: int = 8, n: int = 12) -> list[dict]:
+    """Long prompts (``words`` words, about as many tokens), one at a time, streaming, in
+    ``blocks`` alternating blocks of ``n`` on one server:
+    a small token budget per step (PLANTED_TOKEN_BUDGET) switched on for the even blocks, the
+    server's own for the odd ones, so the small budget's baseline is the same server a few
+    seconds apart. Rows: ``small``, and their block's ``since``/``until`` (epoch seconds): a
+    small block's report is read over its own window, where every step is small."""
+    flag = switches / "PLANTED_TOKEN_BUDGET"
     _warm(srv)
-    client_ttft(srv.port, srv.model, prompt_of(words, 5), True)  # a long one too: its first compile
+    for small in (False, True):  # a long prompt under each budget first: their first compiles
+        flag.touch() if small else flag.unlink(missing_ok=True)
+        client_ttft(srv.port, srv.model, prompt_of(words, 5 + small), True)
     out = []
-    for i in range(n):
-        out.append({**client_ttft(srv.port, srv.model, prompt_of(words, 700 + i), True), "stream": True})
-        time.sleep(0.05)
+    for b in range(blocks):
+        small = b % 2 == 0
+        flag.touch() if small else flag.unlink(missing_ok=True)
+        time.sleep(0.3)
+        since, rows = time.time(), []
+        for i in range(n):
+            rows.append({**client_ttft(srv.port, srv.model, prompt_of(words, 700 + b * n + i), True), "stream": True,
+                         "small": small})
+            time.sleep(0.05)
+        until = time.time()
+        out += [{**r, "since": since, "until": until} for r in rows]
+    flag.unlink(missing_ok=True)
     return out
 
 
@@ -485,3 +501,24 @@ def sized_parts(df: pl.DataFrame, store: str, run: str, only: set[str] | None = 
             out[what] = sized(part_report(part[p], store, run), want, fault, base, store,
                               part_window(part[p], run), rows=part[p])
     return out
+
+
+def sized_budget(df: pl.DataFrame, store: str, run: str) -> Sized:
+    """A ``drive_budget`` run: the small-budget blocks against the others (the same server), each
+    small block's report read over its own window (every step in it small, as on a server started
+    with that budget) and its ``chunk_budget`` finding sized on that block's requests. ``kinds``:
+    a small block's findings whose top is not the budget's, else the first block's."""
+    from ttftscope.analyzer.impact import REMOVED, impact_ms
+
+    small, large = df.filter(pl.col("small")), df.filter(~pl.col("small"))
+    effect = float(small["client_ms"].median()) - float(large["client_ms"].median())
+    said, kinds, first = [], None, None
+    for block in small.partition_by("since", maintain_order=True):
+        report = part_report(block, store, run)
+        ks = [f["kind"] for f in report["findings"]]
+        kinds = ks if kinds is None or (ks[:1] != ["chunk_budget"] and kinds[:1] == ["chunk_budget"]) else kinds
+        f = next((x for x in report["findings"] if x["kind"] == "chunk_budget"), None)
+        first = first or f
+        said.append(block.with_columns((REMOVED["chunk_budget"](f) if f else pl.lit(0)).alias("removed")))
+    imp = float(impact_ms(pl.concat(said), pl.col("removed"))[0]["p50"]) if first else None
+    return Sized("chunk_budget", kinds or [], effect, imp, first, small, large)

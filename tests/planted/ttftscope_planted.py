@@ -25,6 +25,9 @@ by environment variables, read in the process where the cause belongs:
   that ran the model, once its outputs are on their way (``EngineCore.post_step``): idle
   engine-loop time between steps while requests wait (a bubble: as a garbage-collection pause
   or a slow callback in the loop would make).
+* ``PLANTED_TOKEN_BUDGET``: the scheduler's token budget per step (as ``--max-num-batched-tokens``)
+  this small, with a switch file only while it exists (``PLANTED_TOKEN_BUDGET`` in the switch
+  directory): long prompts prefilled in many chunks, against the same server's own budget.
 * ``PLANTED_FIRST_STEPS_MS`` with ``PLANTED_FIRST_STEPS`` (a count): the first that many
   worker steps that carry requests take this much longer (one-off initialisation that the
   first requests after a start pay: lazy kernels, allocator growth, caches warming).
@@ -151,6 +154,26 @@ def _loop_pause(ms: float, on) -> None:
     core.EngineCore.post_step = post_step
 
 
+def _token_budget(tokens: int, on) -> None:
+    """The scheduler's token budget per step (``--max-num-batched-tokens``) at ``tokens`` while
+    ``on()``, the server's own otherwise: a small prefill budget switched on one server, so its
+    baseline is the same server."""
+    from vllm.v1.core.sched import scheduler
+
+    orig = scheduler.Scheduler.schedule
+    if getattr(orig, "_planted", False):
+        return
+
+    @functools.wraps(orig)
+    def schedule(self, *a, **kw):
+        own = self.__dict__.setdefault("_planted_own_budget", self.max_num_scheduled_tokens)
+        self.max_num_scheduled_tokens = min(tokens, own) if on() else own
+        return orig(self, *a, **kw)
+
+    schedule._planted = True
+    scheduler.Scheduler.schedule = schedule
+
+
 def register() -> None:
     execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
     update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
@@ -162,6 +185,9 @@ def register() -> None:
         from vllm.v1.core.sched import scheduler
 
         _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"), before=True)  # only the engine core calls it
+    budget = int(os.environ.get("PLANTED_TOKEN_BUDGET", "0") or 0)
+    if budget > 0:
+        _token_budget(budget, _switch("PLANTED_TOKEN_BUDGET"))  # only the engine core schedules
     pause = float(os.environ.get("PLANTED_LOOP_PAUSE_MS", "0") or 0)
     if pause > 0:
         _loop_pause(pause, _switch("PLANTED_LOOP_PAUSE_MS"))  # only the engine core steps
