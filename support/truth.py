@@ -37,7 +37,7 @@ FIRST_STEPS_MS, FIRST_STEPS = 150.0, 20  # planted on the first steps after star
 SHARED = prompt_of(300, 999)
 #: the prefix part's shared prefix (a long system prompt): its misses cost the client a size a
 #: p50 over two dozen requests can tell from the noise
-LONG_SHARED = prompt_of(600, 998)
+LONG_SHARED = prompt_of(1100, 998)
 STOPWATCH = Path(__file__).with_name("stopwatch.py")
 
 
@@ -139,7 +139,7 @@ def drive_pairs(srv: VllmServer, switches: Path, fault: str, tags: tuple[str, st
 drive_pairs.toggles = True  # drive_parts hands it the switch directory: it switches its own fault
 
 
-def drive_prefix(srv: VllmServer, n: int = 24) -> list[dict]:
+def drive_prefix(srv: VllmServer, n: int = 32) -> list[dict]:
     """``n`` prompts that start with the same long prefix (LONG_SHARED, then 40–120 words of
     their own, after a one-token tag), each sent three times in a row, the tag differing (the
     prompts share only the prefix): once as is (a prefix-cache hit) and twice with

@@ -239,8 +239,8 @@ def test_with_the_prefix_cache_off_the_misses_are_reported(nocache, tmp_path):
 def test_prefix_cache_misses_are_named_with_their_size(prefix, sizes):
     """Long-prefix requests, each sent as a prefix-cache hit and, alternately before or after
     it, with a ``cache_salt`` of its own (a miss): what the misses cost (client TTFT p50, misses
-    minus hits) is what the finding on that window says removing them would save on them (issue
-    12 asks 15%; see below). What a hit would have covered, the detector's ``hit_tokens`` (the shared
+    minus hits) is what the finding on that window says removing them would save on them, within
+    15%. What a hit would have covered, the detector's ``hit_tokens`` (the shared
     prefix from the prompts' block hashes, in whole KV blocks), is what vLLM's prefix cache did
     hit on the same prompt, by vLLM's own count (PrefillStats.num_cached_tokens)."""
     from ttftscope.schemas.store import open_store
@@ -262,10 +262,10 @@ def test_prefix_cache_misses_are_named_with_their_size(prefix, sizes):
         pairs.select("pair", "hit_tokens", "cached")
     print(f"{miss.height} misses, {hit.height} hits")
     assert s.effect_ms >= 3, "the misses reached the client"
-    # Issue 12 asks 15%. Measured here: 10.3 vs 9.2, 18.9 vs 18.2, 13.8 vs 12.9, 15.1 vs 14.4 ms
-    # (+5 to +12%): the fitted fixed cost per chunk (1.07-1.09 ms) above what a chunk costs on
-    # this VM (0.77-0.92 ms, from the prefill-budget runs). Held to 20%.
-    _within(s, 0.20)
+    # Measured: 48.4 vs 49.1, 50.2 vs 51.0 ms (a 1,100-word prefix, 32 prompts). With a 600-word
+    # one and 24 prompts the effect was ~20 ms and the p50s' difference moved by +-2 ms between
+    # runs (8-15% off) while the finding's per-request saving stayed within 2% of the paired one.
+    _within(s, 0.15)
 
 
 def test_engine_loop_bubbles_are_named_with_their_size(sizes):
