@@ -21,7 +21,8 @@ test-only vLLM plugin in tests/planted, or a flag, each against a baseline in th
   budget   900-token prompts in alternating blocks on one server (2048 tokens a step), the
            scheduler's token budget held at 32 in every other block (chunk_budget)
   decodes, burst  at --max-num-seqs 2 (support/truth.drive_seats: three clients keeping 80-token
-           decodes running while requests arrive; bursts of 12), against the same at 128
+           decodes running while requests arrive; bursts of 12, on 10 ms device-time steps), against
+           the same at 128
            (queue_dominates)
   allreduce  TP=2 eager, every all-reduce 6 ms slower from mid-run, the part before the switch
            the baseline (allreduce_dominates)
@@ -62,10 +63,10 @@ from support.truth import (  # noqa: E402
     drive_budget,
     drive_cold,
     drive_parts,
-    drive_seats,
     drive_switched,
     part_report,
     served,
+    served_seats,
     sized,
     sized_budget,
     sized_parts,
@@ -90,18 +91,15 @@ def _parts(tmp: Path, only: set[str]) -> tuple[dict[str, Sized], bool, list]:
     return sized_parts(df, store, "parts", only), quiet, [(f["severity"], f["kind"]) for f in clean["findings"]]
 
 
-def _pair(tmp: Path, name: str, drive, small: list[str], large: list[str], want: str,
-          part: str | None = None) -> dict[str, Sized]:
-    """A load at a tight setting against the same load with room (``part``: each part of the rows)."""
-    fault, store = served(_dir(tmp, name), name, drive=drive, extra=small)
-    base, _ = served(_dir(tmp, f"{name}-base"), f"{name}-base", drive=drive, extra=large)
+def _seats(tmp: Path) -> dict[str, Sized]:
+    """The seats' loads at ``--max-num-seqs 2`` against the same at 128 (support/truth.served_seats),
+    each part ("decodes", "burst") sized over its own window."""
+    fault, store = served_seats(_dir(tmp, "seats"), "seats", 2)
+    base, _ = served_seats(_dir(tmp, "seats-base"), "seats-base", 128)
     out = {}
-    for p in ([None] if part is None else sorted(fault[part].unique())):
-        f = fault if p is None else fault.filter(pl.col(part) == p)
-        b = base if p is None else base.filter(pl.col(part) == p)
-        report = analyze(store, name, since=f["since"].min(), until=f["until"].max()) if "since" in f.columns \
-            else analyze(store, name)
-        out[p or name] = sized(report, want, f, b)
+    for p in sorted(fault["part"].unique()):
+        f, b = fault.filter(pl.col("part") == p), base.filter(pl.col("part") == p)
+        out[p] = sized(analyze(store, "seats", since=f["since"].min(), until=f["until"].max()), "queue_dominates", f, b)
     return out
 
 
@@ -153,8 +151,7 @@ def trial(tmp: Path, only: set[str]) -> tuple[dict[str, Sized], bool | None, lis
                            extra=["--max-num-batched-tokens", "2048"])
         out["budget"] = sized_budget(df, store, "budget")
     if only & {"decodes", "burst"}:
-        got = _pair(tmp, "seats", drive_seats, ["--max-num-seqs", "2"], ["--max-num-seqs", "128"],
-                    "queue_dominates", part="part")
+        got = _seats(tmp)
         out.update({k: v for k, v in got.items() if k in only})
     if "allreduce" in only:
         out["allreduce"] = _allreduce(tmp)

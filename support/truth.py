@@ -259,20 +259,46 @@ def drive_bubbles(srv: VllmServer, switches: Path, bursts: int = 8, size: int = 
 drive_bubbles.toggles = True  # drive_parts hands it the switch directory: it switches its own fault
 
 
-def drive_seats(srv: VllmServer) -> list[dict]:
+#: during the seats' burst, every worker step this much longer (a sleep: time on the device, the
+#: host's cores free), as a GPU's decode step is against vLLM's host work
+SEATS_STEP_MS = 10
+
+
+def drive_seats(srv: VllmServer, switches: Path | None = None) -> list[dict]:
     """Two loads that need more seats than a small ``--max-num-seqs`` gives, one after the
     other on one server, each row with its ``part`` and the part's ``since``/``until`` (epoch
     seconds): "decodes" (three clients keep 80-token decodes running while 12 measured requests
-    arrive at random moments) and "burst" (three bursts of 12 requests of 32 tokens at once)."""
+    arrive at random moments) and "burst" (three bursts of 12 requests of 32 tokens at once).
+    With ``switches`` (``served_seats``) the burst runs with every worker step ``SEATS_STEP_MS``
+    longer: on this VM's tiny model a step is ~2 ms of host CPU, so twelve requests admitted at
+    once flood two cores (their tokenizing, output processing and steps slow each other down by
+    ~20 ms), a cost no counterfactual that removes the queue can see and a GPU server's host
+    does not pay (there a decode step is ~10 ms of device time)."""
     out = []
     for part, drive in (("decodes", functools.partial(drive_busy, bg_tokens=80, n=12, clients=3)),
                         ("burst", drive_burst)):
-        since = time.time()
-        rows = drive(srv)
-        until = time.time()
+        flag = switches / "PLANTED_EXECUTE_MS" if switches is not None and part == "burst" else None
+        if flag is not None:
+            flag.touch()
+        try:
+            since = time.time()
+            rows = drive(srv)
+            until = time.time()
+        finally:
+            if flag is not None:
+                flag.unlink(missing_ok=True)
         out += [{**r, "part": part, "since": since, "until": until} for r in rows]
         time.sleep(1.0)
     return out
+
+
+def served_seats(tmp: Path, name: str, seats: int) -> tuple[pl.DataFrame, str]:
+    """``drive_seats`` (the burst on device-time steps) on a server at ``--max-num-seqs seats``."""
+    switches = tmp / "switches"
+    switches.mkdir(parents=True, exist_ok=True)
+    return served(tmp, name, env={"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(switches),
+                                  "PLANTED_EXECUTE_MS": str(SEATS_STEP_MS)},
+                  drive=functools.partial(drive_seats, switches=switches), extra=["--max-num-seqs", str(seats)])
 
 
 # the faults that one server runs one after the other (tests/planted: switched on by a

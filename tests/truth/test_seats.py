@@ -8,7 +8,12 @@ default token budget here allows), each load in its own window (support/truth.dr
   seats both are held by the long decodes and a third waits, so each measured request waits in
   vLLM's queue until seats free up; with 128 it is scheduled at once, beside the same decodes;
 * a burst over the seats: 12 requests of 32 tokens sent at once, three times; with 2 seats
-  they are served two by two.
+  they are served two by two. During the burst every worker step is 10 ms longer (a sleep, as
+  device time: tests/planted), as on a GPU: with this VM's ~2 ms host-bound steps, twelve
+  requests admitted at once slowed each other's tokenizing, output processing and steps on two
+  cores by ~20 ms, which the 128-seat baseline paid and no queue counterfactual sees (the finding
+  was 2-21% above the client's loss, 149.7 vs 123.8 ms in the worst run; with the device-time
+  steps: 1204.8 vs 1191.7 ms).
 
 What the seats cost is the client's own stopwatch (a process the CPU scheduler serves first,
 support/stopwatch.py; the background clients run the same way): TTFT p50 with 2 seats minus
@@ -21,20 +26,19 @@ from __future__ import annotations
 
 import pytest
 
-from support.truth import analyze, drive_seats, served
+from support.truth import analyze, served_seats
 
 pytestmark = pytest.mark.slow  # real vLLM servers
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
-    return served(tmp_path_factory.mktemp("seats-2"), "seats2", drive=drive_seats, extra=["--max-num-seqs", "2"])
+    return served_seats(tmp_path_factory.mktemp("seats-2"), "seats2", 2)
 
 
 @pytest.fixture(scope="module")
 def roomy(tmp_path_factory):
-    return served(tmp_path_factory.mktemp("seats-128"), "seats128", drive=drive_seats,
-                  extra=["--max-num-seqs", "128"])
+    return served_seats(tmp_path_factory.mktemp("seats-128"), "seats128", 128)
 
 
 @pytest.mark.parametrize("part", ["decodes", "burst"])
