@@ -3,7 +3,10 @@
 ``BoundedBatchSpanProcessor`` is the SDK's batch processor idea with the guarantees the
 plugin needs inside vLLM: ``on_end`` is O(1) and never blocks (a full queue drops the span
 and counts it), memory is bounded by ``max_queue``, export happens on one daemon thread
-with a short timeout, so a slow or dead collector costs vLLM nothing but dropped spans.
+with a short timeout, so a slow or dead collector costs vLLM nothing but dropped spans. A
+batch the collector refuses with a retryable status (429, 502, 503, 504: it stored nothing) goes
+back to the front of its queue and is sent again after the collector's ``Retry-After``; a batch
+that got no answer is counted as failed, not sent again (the collector may have stored it).
 
 ``DeferredSpans`` takes even span creation off the serving threads: a hook appends one
 tuple and the export thread encodes the tuples straight into OTLP protobuf, skipping the
@@ -119,6 +122,10 @@ class DeferredSpans:
             out.append(self._q.popleft())
         return out
 
+    def put_back(self, records: list[tuple]) -> None:
+        """``records`` (from :meth:`take`) first in line again: the collector refused them."""
+        self._q.extendleft(reversed(records))
+
     def encode(self, records: list[tuple]) -> bytes:
         """One OTLP ``ResourceSpans`` holding ``records``, serialized (``span_wire``)."""
         from opentelemetry import trace
@@ -173,6 +180,12 @@ class DeferredSpans:
         return n
 
 
+#: statuses after which the same spans may be sent again (OTLP/HTTP: the server stored nothing)
+RETRYABLE = frozenset({429, 502, 503, 504})
+#: the longest a collector's Retry-After holds the export thread back
+MAX_RETRY_AFTER_S = 30.0
+
+
 class BoundedBatchSpanProcessor(SpanProcessor):
     def __init__(self, exporter: SpanExporter, *, max_queue: int = 8192, max_batch: int = 512,
                  interval_s: float = 0.5, poster=None) -> None:
@@ -186,6 +199,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.dropped = 0
         self.exported = 0
         self.failed = 0
+        self.retried = 0  # spans the collector refused with a retryable status, sent again later
+        self._status = 0  # the last export's HTTP status (0: no answer)
+        self._hold_until = 0.0  # no export before this (monotonic): the collector's Retry-After
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -246,7 +262,20 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
             body += request_entry(src.encode(records))
         r = client.export(body)
+        self._status = getattr(client, "last_status", None) or getattr(r, "status_code", 0) or 0
         return bool(r) if isinstance(r, bool) else bool(getattr(r, "success", r))
+
+    def _refused(self) -> float | None:
+        """Seconds to wait before sending again when the last export was refused with a status
+        the OTLP/HTTP specification makes retryable (429, 502, 503, 504: nothing was stored,
+        so sending the same spans again cannot store them twice); None otherwise."""
+        if self._status not in RETRYABLE:
+            return None
+        ra = getattr(self._client(), "retry_after", None)
+        try:
+            return min(max(float(ra), 0.0), MAX_RETRY_AFTER_S) if ra is not None else self.interval_s
+        except ValueError:  # an HTTP date: the usual interval
+            return self.interval_s
 
     def _drain(self) -> None:
         """Export everything queued, one request per batch: vLLM's own SDK spans through the
@@ -266,6 +295,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             records = src.take(self.max_batch - len(batch)) if src is not None else []
             if not batch and not records:
                 return
+            self._status = 0
             try:
                 ok = self._post(batch, records, src)
             except Exception:  # noqa: BLE001 - exporter failures must never reach vLLM
@@ -273,15 +303,24 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             n = len(batch) + len(records)
             if ok:
                 self.exported += n
-            else:
+                continue
+            wait = self._refused()
+            if wait is not None:  # first in line again (bounded: new spans meet the full queue and drop)
+                self._q.extendleft(reversed(batch))
+                if records:
+                    src.put_back(records)
+                self.retried += n
+                self._hold_until = time.monotonic() + wait
+            else:  # no answer (it may have stored them: at most lost, never doubled) or not retryable
                 self.failed += n
-                now = time.monotonic()
-                if now - self._last_warn > 30:
-                    self._last_warn = now
-                    dropped = self.dropped + sum(x.dropped for x in self.sources)
-                    log.warning("ttftscope: could not export %d spans (collector down?); "
-                                "dropped so far: %d queue-full, %d failed", n, dropped, self.failed)
-                return  # back off until the next interval
+            now = time.monotonic()
+            if now - self._last_warn > 30:
+                self._last_warn = now
+                dropped = self.dropped + sum(x.dropped for x in self.sources)
+                what = (f"the collector answered {self._status}; {n} spans kept to send again in {wait:g} s"
+                        if wait is not None else f"could not export {n} spans (collector down?)")
+                log.warning("ttftscope: %s; dropped so far: %d queue-full, %d failed", what, dropped, self.failed)
+            return  # back off until the next interval (or the collector's Retry-After)
 
     def _run(self) -> None:
         name_native_thread("ttftscope-exp")
@@ -289,6 +328,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         while not self._stop.is_set():
             self._wake.wait(self.interval_s)
             self._wake.clear()
+            if time.monotonic() < self._hold_until:
+                continue
             t = time.thread_time()
             self._drain()
             self.cpu_s += time.thread_time() - t
@@ -308,5 +349,6 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             pass
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Export what is queued now; True when nothing is left (SDK spans and deferred ones)."""
         self._drain()
-        return not self._q
+        return not self._q and not any(len(s) for s in self.sources)

@@ -240,7 +240,8 @@ class OtlpHttpPoster:
         if self.https:
             self._ssl = ssl.create_default_context(cafile=_env(env, "CERTIFICATE") or None)
         self._conn: http.client.HTTPConnection | None = None
-        self.last_status = 0
+        self.last_status = 0  # of the last export; 0 when no answer came (refused, reset, timed out)
+        self.retry_after: str | None = None  # the last answer's Retry-After header
 
     def _connect(self) -> http.client.HTTPConnection:
         if self.https:
@@ -250,6 +251,7 @@ class OtlpHttpPoster:
     def export(self, body: bytes) -> bool:
         if self.gzip:
             body = gzip.compress(body, compresslevel=1)
+        self.last_status, self.retry_after = 0, None
         for _ in (0, 1):
             reused = self._conn is not None
             conn = self._conn or self._connect()
@@ -258,7 +260,7 @@ class OtlpHttpPoster:
                 conn.request("POST", self.path, body, self.headers)
                 resp = conn.getresponse()
                 resp.read()
-                self.last_status = resp.status
+                self.last_status, self.retry_after = resp.status, resp.getheader("Retry-After")
                 if not resp.will_close:
                     self._conn = conn
                 else:

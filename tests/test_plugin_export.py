@@ -277,3 +277,40 @@ def test_batches_encoded_in_slices_arrive_whole(collector_factory):
     rows = ttftscope_sql(col.store, "SELECT SpanName AS name, count() AS n, uniqExact(SpanAttributes['i']) AS u, "
                                     "uniqExact(SpanId) AS ids FROM otel_traces WHERE ServiceName = 'sliced' GROUP BY name")
     assert {r["name"]: (int(r["n"]), int(r["u"]), int(r["ids"])) for r in rows} == {"sdk": (n, n, n), "ours": (n, n, n)}
+
+
+def test_spans_the_collector_refuses_are_sent_again_once_it_accepts(collector_factory):
+    """A collector that refuses a batch with a retryable status (here 429 with Retry-After: its
+    spool is over ``--max-spool`` until its next flush) stored none of it: the batch goes back to
+    the front of the queue and is sent again once the collector accepts. Every span arrives
+    exactly once; nothing is counted as failed."""
+    import time
+
+    # (flushes 3 s apart: the two batches, milliseconds apart, meet the same unflushed spool)
+    col = collector_factory(extra=["--max-spool", "1"], flush_interval=3.0).start()
+    resource = Resource.create({"service.name": "refused"})
+    provider = TracerProvider(resource=resource)
+    poster = OtlpHttpPoster(col.url + "/v1/traces", timeout=5)
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=5),
+                                     interval_s=60, max_batch=4, poster=poster)
+    provider.add_span_processor(proc)
+    tracer = provider.get_tracer("t")
+    deferred = DeferredSpans(tracer, resource)
+    proc.add_source(deferred)
+    tracer.start_span("sdk", attributes={"i": 0}).end()
+    for i in range(6):
+        deferred.add("ours", 1_700_000_000.0 + i, 1_700_000_000.5 + i, {"i": i})
+    # the first batch (4 spans) fills the spool; the second (3) meets it full, until the next flush
+    assert not proc.force_flush(), "the second batch was refused"
+    assert poster.last_status == 429 and poster.retry_after == "1", (poster.last_status, poster.retry_after)
+    assert (proc.exported, proc.failed, proc.retried, len(deferred)) == (4, 0, 3, 3), \
+        "the refused batch is queued again, whole"
+    deadline = time.monotonic() + 30
+    while not proc.force_flush() and time.monotonic() < deadline:  # the collector flushes its spool
+        time.sleep(0.2)
+    assert (proc.exported, proc.failed) == (7, 0), (proc.exported, proc.failed, poster.last_status)
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    rows = ttftscope_sql(col.store, "SELECT SpanName AS name, SpanAttributes['i'] AS i, count() AS n FROM otel_traces "
+                                    "WHERE ServiceName = 'refused' GROUP BY name, i ORDER BY name, i")
+    assert [(r["name"], r["i"], int(r["n"])) for r in rows] == [("ours", str(i), 1) for i in range(6)] + [("sdk", "0", 1)]
