@@ -1,9 +1,9 @@
 """Truth on real vLLM: a small prefill token budget is named, with its size.
 
 Long prompts (about 900 tokens, one at a time, streaming) on one server (``--max-num-batched-tokens
-2048``: one step each), in eight alternating blocks of 12: in the odd ones the test-only plugin
+2048``: one step each), in eight alternating blocks of 12: in every other one, from the first, the test-only plugin
 (tests/planted) holds the scheduler's token budget per step at 32, as ``--max-num-batched-tokens
-32`` would (every prompt prefilled in about 28 chunks); the even ones run at the server's own.
+32`` would (every prompt prefilled in about 28 chunks); the others run at the server's own.
 What the small budget costs is measured by the client's own stopwatch: TTFT p50 of the small
 blocks minus the others', the same server a few seconds apart. (Two servers, one per budget, were
 the witness before: their p50s differed by up to a third between starts, more than the effect's
