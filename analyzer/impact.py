@@ -202,21 +202,23 @@ CAUSES: dict[str, tuple[str, ...]] = {
 }
 
 
+def _brings_about(cause: str) -> set[str]:
+    """The finding kinds whose time ``cause`` explains: the dominance findings of the phases it
+    inflates (``INFLATES``) and the findings it brings about (``CAUSES``)."""
+    return {f"{p}_dominates" for p in INFLATES.get(cause, ())} | set(CAUSES.get(cause, ()))
+
+
 def causes_first(ranked: list[dict], qk: str, explains: float = 0.5) -> list[dict]:
     """A finding moves behind a cause of its time ranked after it at the same severity, when
     the cause's impact is at least ``explains`` of its own: the cause is the answer to why that
     time is long. A phase's dominance finding is behind the specific causes that inflate the
     phase (``INFLATES``: idle engine-loop bubbles behind a long queue); a finding is behind what
     brings it about (``CAUSES``: prefix-cache misses behind the chunk budget's extra chunks)."""
-    def explained(f: dict) -> Callable[[dict], bool]:
-        phase = f["kind"].removesuffix("_dominates") if f["kind"].endswith("_dominates") else None
-        return lambda c: (phase in INFLATES.get(c["kind"], ()) if phase else f["kind"] in CAUSES.get(c["kind"], ()))
-
     out = list(ranked)
     for d in [f for f in ranked if f.get("impact_ms")]:
-        i, by = out.index(d), explained(d)
-        later = [c for c in out[i + 1:] if by(c) and c.get("impact_ms") and c["severity"] == d["severity"]
-                 and c["impact_ms"][qk] >= explains * d["impact_ms"][qk]]
+        i = out.index(d)
+        later = [c for c in out[i + 1:] if d["kind"] in _brings_about(c["kind"]) and c.get("impact_ms")
+                 and c["severity"] == d["severity"] and c["impact_ms"][qk] >= explains * d["impact_ms"][qk]]
         if later:
             c = later[0]
             out.remove(c)

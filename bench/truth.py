@@ -60,12 +60,12 @@ from support.truth import (  # noqa: E402
     SHARED_LOAD,
     Sized,
     analyze,
-    drive_budget,
     drive_cold,
     drive_parts,
     drive_switched,
     part_report,
     served,
+    served_budget,
     served_seats,
     sized,
     sized_budget,
@@ -144,12 +144,7 @@ def trial(tmp: Path, only: set[str]) -> tuple[dict[str, Sized], bool | None, lis
     if "nocache" in only:
         out["nocache"] = _nocache(tmp)
     if "budget" in only:
-        sw = _dir(tmp, "budget") / "switches"
-        sw.mkdir()
-        df, store = served(tmp / "budget", "budget", drive=functools.partial(drive_budget, switches=sw),
-                           env={"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(sw), "PLANTED_TOKEN_BUDGET": "32"},
-                           extra=["--max-num-batched-tokens", "2048"])
-        out["budget"] = sized_budget(df, store, "budget")
+        out["budget"] = sized_budget(*served_budget(_dir(tmp, "budget"), "budget"), "budget")
     if only & {"decodes", "burst"}:
         got = _seats(tmp)
         out.update({k: v for k, v in got.items() if k in only})

@@ -163,6 +163,15 @@ def drive_prefix(srv: VllmServer, n: int = 32) -> list[dict]:
     return out
 
 
+def _set(flag: Path, on: bool) -> None:
+    """A planted fault's switch file (tests/planted) present while ``on``."""
+    flag.touch() if on else flag.unlink(missing_ok=True)
+
+
+#: the small token budget per step the prefill-budget scenario holds every other block at
+BUDGET_TOKENS = 32
+
+
 def drive_budget(srv: VllmServer, switches: Path, words: int = 900, blocks: int = 8, n: int = 12) -> list[dict]:
     """Long prompts (``words`` words, about as many tokens), one at a time, streaming, in
     ``blocks`` alternating blocks of ``n`` on one server:
@@ -173,12 +182,12 @@ def drive_budget(srv: VllmServer, switches: Path, words: int = 900, blocks: int 
     flag = switches / "PLANTED_TOKEN_BUDGET"
     _warm(srv)
     for small in (False, True):  # a long prompt under each budget first: their first compiles
-        flag.touch() if small else flag.unlink(missing_ok=True)
+        _set(flag, small)
         client_ttft(srv.port, srv.model, prompt_of(words, 5 + small), True)
     out = []
     for b in range(blocks):
         small = b % 2 == 0
-        flag.touch() if small else flag.unlink(missing_ok=True)
+        _set(flag, small)
         time.sleep(0.3)
         since, rows = time.time(), []
         for i in range(n):
@@ -187,8 +196,16 @@ def drive_budget(srv: VllmServer, switches: Path, words: int = 900, blocks: int 
             time.sleep(0.05)
         until = time.time()
         out += [{**r, "since": since, "until": until} for r in rows]
-    flag.unlink(missing_ok=True)
+    _set(flag, False)
     return out
+
+
+def served_budget(tmp: Path, name: str) -> tuple[pl.DataFrame, str]:
+    """``drive_budget`` on a server at ``--max-num-batched-tokens 2048`` (one step per prompt),
+    the planted budget ``BUDGET_TOKENS`` switched on in every other block."""
+    switches = tmp / "switches"
+    return served(tmp, name, env=switched_env(switches, {"PLANTED_TOKEN_BUDGET": str(BUDGET_TOKENS)}),
+                  drive=functools.partial(drive_budget, switches=switches), extra=["--max-num-batched-tokens", "2048"])
 
 
 def drive_busy(srv: VllmServer, bg_tokens: int = 40, n: int = 16, clients: int = 2) -> list[dict]:
@@ -260,7 +277,7 @@ drive_bubbles.toggles = True  # drive_parts hands it the switch directory: it sw
 
 
 #: during the seats' burst, every worker step this much longer (a sleep: time on the device, the
-#: host's cores free), as a GPU's decode step is against vLLM's host work
+#: host's cores free), as when a step's time is mostly a GPU's
 SEATS_STEP_MS = 10
 
 
@@ -270,23 +287,23 @@ def drive_seats(srv: VllmServer, switches: Path | None = None) -> list[dict]:
     seconds): "decodes" (three clients keep 80-token decodes running while 12 measured requests
     arrive at random moments) and "burst" (three bursts of 12 requests of 32 tokens at once).
     With ``switches`` (``served_seats``) the burst runs with every worker step ``SEATS_STEP_MS``
-    longer: on this VM's tiny model a step is ~2 ms of host CPU, so twelve requests admitted at
-    once flood two cores (their tokenizing, output processing and steps slow each other down by
-    ~20 ms), a cost no counterfactual that removes the queue can see and a GPU server's host
-    does not pay (there a decode step is ~10 ms of device time)."""
+    longer: on this VM's tiny model a step is ~4.5 ms of host CPU (measured in the burst at 128
+    seats), so twelve requests admitted at once flood two cores (their tokenizing, output
+    processing and steps slow each other down by ~20 ms), a cost no counterfactual that removes
+    the queue can see, and one a server whose steps are mostly device time does not pay."""
     out = []
     for part, drive in (("decodes", functools.partial(drive_busy, bg_tokens=80, n=12, clients=3)),
                         ("burst", drive_burst)):
-        flag = switches / "PLANTED_EXECUTE_MS" if switches is not None and part == "burst" else None
-        if flag is not None:
-            flag.touch()
+        slow = switches is not None and part == "burst"
+        if slow:
+            _set(switches / "PLANTED_EXECUTE_MS", True)
         try:
             since = time.time()
             rows = drive(srv)
             until = time.time()
         finally:
-            if flag is not None:
-                flag.unlink(missing_ok=True)
+            if slow:
+                _set(switches / "PLANTED_EXECUTE_MS", False)
         out += [{**r, "part": part, "since": since, "until": until} for r in rows]
         time.sleep(1.0)
     return out
@@ -295,9 +312,7 @@ def drive_seats(srv: VllmServer, switches: Path | None = None) -> list[dict]:
 def served_seats(tmp: Path, name: str, seats: int) -> tuple[pl.DataFrame, str]:
     """``drive_seats`` (the burst on device-time steps) on a server at ``--max-num-seqs seats``."""
     switches = tmp / "switches"
-    switches.mkdir(parents=True, exist_ok=True)
-    return served(tmp, name, env={"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(switches),
-                                  "PLANTED_EXECUTE_MS": str(SEATS_STEP_MS)},
+    return served(tmp, name, env=switched_env(switches, {"PLANTED_EXECUTE_MS": str(SEATS_STEP_MS)}),
                   drive=functools.partial(drive_seats, switches=switches), extra=["--max-num-seqs", str(seats)])
 
 
@@ -329,10 +344,11 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's pr
 SHARED_LOAD = functools.partial(drive, shared=True, tag="e", max_tokens=1)
 
 
-def switched_env(switches: Path) -> dict:
-    """The server environment for ``drive_parts``: every fault in FAULTS planted, all switched off."""
+def switched_env(switches: Path, faults: dict[str, str] | None = None) -> dict:
+    """A server environment with ``faults`` (default: every one in FAULTS, for ``drive_parts``)
+    planted by tests/planted, each switched off until its file appears in ``switches``."""
     switches.mkdir(parents=True, exist_ok=True)
-    return {"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(switches), **FAULTS}
+    return {"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(switches), **(FAULTS if faults is None else faults)}
 
 
 def drive_parts(srv: VllmServer, switches: Path) -> list[dict]:
@@ -538,13 +554,13 @@ def sized_budget(df: pl.DataFrame, store: str, run: str) -> Sized:
 
     small, large = df.filter(pl.col("small")), df.filter(~pl.col("small"))
     effect = float(small["client_ms"].median()) - float(large["client_ms"].median())
-    said, kinds, first = [], None, None
-    for block in small.partition_by("since", maintain_order=True):
-        report = part_report(block, store, run)
-        ks = [f["kind"] for f in report["findings"]]
-        kinds = ks if kinds is None or (ks[:1] != ["chunk_budget"] and kinds[:1] == ["chunk_budget"]) else kinds
-        f = next((x for x in report["findings"] if x["kind"] == "chunk_budget"), None)
-        first = first or f
-        said.append(block.with_columns((REMOVED["chunk_budget"](f) if f else pl.lit(0)).alias("removed")))
-    imp = float(impact_ms(pl.concat(said), pl.col("removed"))[0]["p50"]) if first else None
-    return Sized("chunk_budget", kinds or [], effect, imp, first, small, large)
+    blocks = small.partition_by("since", maintain_order=True)
+    findings = [part_report(b, store, run)["findings"] for b in blocks]
+    said = [next((x for x in fs if x["kind"] == "chunk_budget"), None) for fs in findings]
+    kinds = [[x["kind"] for x in fs] for fs in findings]
+    kinds = next((k for k in kinds if k[:1] != ["chunk_budget"]), kinds[0] if kinds else [])
+    first = next((f for f in said if f is not None), None)
+    removed = pl.concat([b.with_columns((REMOVED["chunk_budget"](f) if f else pl.lit(0)).alias("removed"))
+                         for b, f in zip(blocks, said, strict=True)])
+    imp = float(impact_ms(removed, pl.col("removed"))[0]["p50"]) if first else None
+    return Sized("chunk_budget", kinds, effect, imp, first, small, large)

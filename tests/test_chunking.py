@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
-import pytest
 from ttftscope.analyzer.chunking import chunked_excess, robust_line, step_cost
 
 
@@ -42,24 +41,3 @@ def test_the_excess_is_the_waits_between_chunks_and_each_extra_steps_fixed_cost(
     got = df.select(chunked_excess(800_000.0, 10_000.0)).to_series().to_list()
     assert got == [0, 3_000_000 + 3 * 800_000, 1_000_000 + 14 * 800_000]
 
-
-def _f(kind: str, p50: float, severity: str = "low") -> dict:
-    return {"kind": kind, "severity": severity, "score": 0.0, "impact_ms": {"p50": p50, "p99": p50}}
-
-
-@pytest.mark.parametrize("ranked, want", [
-    # a cause explaining at least half of what it brings about goes before it ...
-    ([_f("chunk_budget", 8.0), _f("prefix_cache_misses", 6.4)], ["prefix_cache_misses", "chunk_budget"]),
-    ([_f("queue_dominates", 30.0), _f("scheduling_bubbles", 22.0)], ["scheduling_bubbles", "queue_dominates"]),
-    # ... not when it explains less, at another severity, or when it is not its cause
-    ([_f("chunk_budget", 8.0), _f("prefix_cache_misses", 3.0)], ["chunk_budget", "prefix_cache_misses"]),
-    ([_f("chunk_budget", 8.0, "medium"), _f("prefix_cache_misses", 6.4)], ["chunk_budget", "prefix_cache_misses"]),
-    ([_f("tokenize_dominates", 8.0), _f("prefix_cache_misses", 7.0)], ["tokenize_dominates", "prefix_cache_misses"]),
-    ([_f("prefix_cache_misses", 8.0), _f("chunk_budget", 7.0)], ["prefix_cache_misses", "chunk_budget"]),
-])
-def test_a_cause_goes_before_what_it_brings_about(ranked, want):
-    """With the prefix cache off, shared-prefix prompts are also prefilled in more chunks: the
-    misses are why, so they go first when they explain at least half of the chunking's cost."""
-    from ttftscope.analyzer.impact import causes_first
-
-    assert [f["kind"] for f in causes_first(ranked, "p50")] == want

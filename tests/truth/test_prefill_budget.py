@@ -19,24 +19,17 @@ loss, and the report on each large block say nothing of it.
 
 from __future__ import annotations
 
-import functools
-
 import polars as pl
 import pytest
 
-from support.truth import PLANTED, drive_budget, part_report, served, sized_budget
+from support.truth import part_report, served_budget, sized_budget
 
 pytestmark = pytest.mark.slow  # a real vLLM server
 
 
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("budget")
-    sw = tmp / "switches"
-    sw.mkdir()
-    return served(tmp, "budget", drive=functools.partial(drive_budget, switches=sw),
-                  env={"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(sw), "PLANTED_TOKEN_BUDGET": "32"},
-                  extra=["--max-num-batched-tokens", "2048"])
+    return served_budget(tmp_path_factory.mktemp("budget"), "budget")
 
 
 def test_a_small_prefill_budget_is_named_with_its_size(blocks):

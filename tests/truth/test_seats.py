@@ -9,7 +9,8 @@ default token budget here allows), each load in its own window (support/truth.dr
   vLLM's queue until seats free up; with 128 it is scheduled at once, beside the same decodes;
 * a burst over the seats: 12 requests of 32 tokens sent at once, three times; with 2 seats
   they are served two by two. During the burst every worker step is 10 ms longer (a sleep, as
-  device time: tests/planted), as on a GPU: with this VM's ~2 ms host-bound steps, twelve
+  device time: tests/planted), as when a step is mostly a GPU's: with this VM's host-bound steps
+  (~4.5 ms each in the burst at 128 seats), twelve
   requests admitted at once slowed each other's tokenizing, output processing and steps on two
   cores by ~20 ms, which the 128-seat baseline paid and no queue counterfactual sees (the finding
   was 2-21% above the client's loss, 149.7 vs 123.8 ms in the worst run; with the device-time
