@@ -408,6 +408,13 @@ def part_window(rows: pl.DataFrame, run: str) -> Window:
     return Window(int(rows["since"].min() * 1e9), int(rows["until"].max() * 1e9), run=run)
 
 
+def client_rid(engine_rid: pl.Expr) -> pl.Expr:
+    """The id the client was answered with, from the engine's request id: vLLM adds the prompt's
+    index to a completion's (``cmpl-<hex>-0``), not to a chat completion's (``chatcmpl-<hex>``,
+    whose hex may happen to be all decimal digits: only a completion's suffix is taken off)."""
+    return engine_rid.str.replace(r"^(cmpl-[0-9a-f]+)-\d+$", "${1}")
+
+
 def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: list[str] | None = None, **server):
     # the collector shares the two cores with vLLM and the client: at its production flush
     # interval and a lower priority its flush queries do not land inside the requests timed here
@@ -438,8 +445,7 @@ def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: li
                        how="diagonal_relaxed")
     else:
         df = decompose(store, Window.last(3600, run=name))
-    # the decomposition's request id is the engine's (a -0 suffix on completions)
-    df = df.with_columns(pl.col("request_id").str.replace(r"-\d+$", "").alias("rid"))
+    df = df.with_columns(client_rid(pl.col("request_id")).alias("rid"))
     joined = mine.join(df, on="rid", how="left")
     missing = joined.filter(pl.col("ttft").is_null()).select([c for c in ("rid", "part", "since", "until")
                                                               if c in joined.columns])

@@ -1,0 +1,16 @@
+"""The truth suite's own plumbing, checked without a server (its tests are slow: a mistake
+here shows up as a rare, unexplained failure of a whole module's fixture)."""
+
+import polars as pl
+
+from support.truth import client_rid
+
+
+def test_client_ids_are_recovered_from_engine_ids():
+    # a chat completion's id whose 16 hex digits are all decimal (about 1 in 1,800) was once
+    # cut to "chatcmpl": its request looked missing from the report
+    engine = ["cmpl-9da446c5181aaa93-0", "cmpl-1234567890123456-3", "chatcmpl-8949047998111619",
+              "chatcmpl-a3d6ed487267ca56", "cmpl-abc"]
+    got = pl.DataFrame({"r": engine}).select(client_rid(pl.col("r")))["r"].to_list()
+    assert got == ["cmpl-9da446c5181aaa93", "cmpl-1234567890123456", "chatcmpl-8949047998111619",
+                   "chatcmpl-a3d6ed487267ca56", "cmpl-abc"]
