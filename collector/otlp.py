@@ -15,12 +15,15 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import orjson
 import pyarrow as pa
 from google.protobuf.message import DecodeError as _PbDecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from ttftscope.schemas.columns import ARROW_SCHEMA, STR_MAP, TS
 from ttftscope.schemas.vocabulary import SPAN_KINDS, STATUS_CODES
+
+from . import otlp_scan as S  # the compiled per-span facts of the arrival check
 
 
 class DecodeError(ValueError):
@@ -508,6 +511,17 @@ def _clip_span(sp, path: str, lim: Limits, report: DecodeReport) -> tuple[str | 
     return None, changed
 
 
+def _check_span(sp, path: str, lo: int, hi: int, max_dur: int, max_attrs: int, may_be_long: bool, small: int,
+                lim: Limits, report: DecodeReport) -> tuple[str | None, bool]:
+    """(reason to reject, changed) for one parsed span: ids and times, then the limits for
+    one that may exceed them (many attributes, events, links, a big span)."""
+    why = _why_span(sp, lo, hi, max_dur)
+    if why is None and (len(sp.attributes) > max_attrs or sp.events or sp.links
+                        or (may_be_long and sp.ByteSize() > small)):
+        return _clip_span(sp, path, lim, report)
+    return why, False
+
+
 class Accepted(NamedTuple):
     body: bytes  #: what to store: the bytes received unless a span was rejected or clipped
     report: DecodeReport  #: what the response tells the client
@@ -534,17 +548,55 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
     may_be_long = len(body) > small
     changed = events_links = False
     accepted = 0
+    scopes = [ss for rs in req.resource_spans for ss in rs.scope_spans]
+    fast = (S.scan(body, sum(len(ss.spans) for ss in scopes), len(scopes))
+            if min(lo, max_dur) >= 0 else None)  # (limits that fit the scan's unsigned times)
+    if fast is not None:
+        ints, times, where = fast
+        # a span the Python checks below would pass untouched: ids, times, no limit within reach
+        start, end = times[:, 0], times[:, 1]
+        fine = ((ints[:, S.TID_LEN] == 16) & (ints[:, S.TID_ZERO] == 0) & (ints[:, S.SID_LEN] == 8)
+                & (ints[:, S.SID_ZERO] == 0) & ((ints[:, S.PARENT_LEN] == 0) | (ints[:, S.PARENT_LEN] == 8))
+                & (start >= np.uint64(lo)) & (start <= np.uint64(hi)) & (end >= start)
+                & (end - np.minimum(start, end) <= np.uint64(max_dur))
+                & (ints[:, S.N_ATTRS] <= max_attrs) & (ints[:, S.N_EVENTS_LINKS] == 0))
+        if may_be_long:
+            fine &= ints[:, S.SIZE] <= small
+        for rs in req.resource_spans:
+            changed |= _clip_kvs(rs.resource.attributes, lim, report)
+        accepted = int(fine.sum())
+        if accepted < len(fine):  # the few that need a closer look, scope by scope
+            bad = np.flatnonzero(~fine)
+            first = np.searchsorted(ints[:, S.SCOPE], np.arange(len(scopes)))  # each scope's first row
+            for g in np.unique(ints[bad, S.SCOPE]).tolist():
+                i, j = where[g].tolist()
+                ss = req.resource_spans[i].scope_spans[j]
+                drop = []
+                for k in (bad[ints[bad, S.SCOPE] == g] - first[g]).tolist():
+                    sp = ss.spans[k]
+                    why, ch = _check_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lo, hi, max_dur,
+                                          max_attrs, may_be_long, small, lim, report)
+                    changed |= ch
+                    events_links |= why is None and bool(sp.events or sp.links)
+                    if why is not None:
+                        report.reject(why)
+                        drop.append(k)
+                    else:
+                        accepted += 1
+                for k in reversed(drop):
+                    del ss.spans[k]
+                changed |= bool(drop)
+        report.accepted = accepted
+        return Accepted(req.SerializeToString() if changed else body, report, events_links)
     for i, rs in enumerate(req.resource_spans):
         changed |= _clip_kvs(rs.resource.attributes, lim, report)
         for j, ss in enumerate(rs.scope_spans):
             drop: list[int] = []
             for k, sp in enumerate(ss.spans):
-                why = _why_span(sp, lo, hi, max_dur)
-                if why is None and (len(sp.attributes) > max_attrs or sp.events or sp.links
-                                    or (may_be_long and sp.ByteSize() > small)):
-                    why, ch = _clip_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lim, report)
-                    changed |= ch
-                    events_links |= why is None and bool(sp.events or sp.links)
+                why, ch = _check_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lo, hi, max_dur,
+                                      max_attrs, may_be_long, small, lim, report)
+                changed |= ch
+                events_links |= why is None and bool(sp.events or sp.links)
                 if why is not None:
                     report.reject(why)
                     drop.append(k)

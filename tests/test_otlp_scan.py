@@ -1,0 +1,188 @@
+"""The arrival check's compiled scan (collector/otlp_scan.py) against its definition: the
+same request checked with the scan and span by span in Python must give the same stored
+bytes and the same partial-success report — on well-made requests, on every kind of bad
+span, and on valid requests with random bytes changed (whatever upb still parses)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from ttftscope.collector import otlp_scan
+from ttftscope.collector.otlp import DecodeError, Limits, accept_protobuf
+
+from support.otlp import plugin_like_request
+
+pytestmark = pytest.mark.skipif(not otlp_scan.available(), reason="numba is not installed")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled():
+    assert otlp_scan.warm_up(), "numba is installed: the scan compiles"
+
+NOW = 1_790_000_000 * 10**9
+
+
+def _both(body: bytes, monkeypatch, limits: Limits | None = None):
+    """(scanned, Python-only) results of the arrival check: (body, report fields, events_links)."""
+    def run():
+        a = accept_protobuf(body, limits, now_ns=NOW)
+        r = a.report
+        return a.body, (r.accepted, r.rejected, dict(r.reasons), dict(r.warnings)), a.events_links
+    used = []
+    real = otlp_scan.scan
+
+    def spy(*args):
+        out = real(*args)
+        used.append(out is not None)
+        return out
+    with monkeypatch.context() as m:
+        m.setattr(otlp_scan, "scan", spy)
+        fast = run()
+    with monkeypatch.context() as m:
+        m.setattr(otlp_scan, "scan", lambda *a: None)
+        slow = run()
+    return fast, slow, used
+
+
+def _request(seed: int) -> trace_service_pb2.ExportTraceServiceRequest:
+    """Two resources, three scopes, spans of every kind the check tells apart."""
+    rng = random.Random(seed)
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    for r in range(2):
+        rs = req.resource_spans.add()
+        kv = rs.resource.attributes.add()
+        kv.key, kv.value.string_value = "service.name", f"svc{r}"
+        for _ in range(1 + r):
+            ss = rs.scope_spans.add()
+            ss.scope.name = "t"
+            for k in range(rng.randint(0, 40)):
+                sp = ss.spans.add()
+                sp.trace_id = bytes([1 + k % 250]) * 16
+                sp.span_id = bytes([1 + (k * 7) % 250]) * 8
+                sp.name = "s"
+                sp.start_time_unix_nano = NOW - 10**9
+                sp.end_time_unix_nano = NOW - 10**9 + rng.randint(0, 10**8)
+                for a in range(rng.randint(0, 4)):
+                    kv = sp.attributes.add()
+                    kv.key, kv.value.int_value = f"a{a}", a
+                flaw = rng.random()
+                if flaw < 0.05:
+                    sp.trace_id = bytes(16)
+                elif flaw < 0.10:
+                    sp.span_id = b"\x01" * 7
+                elif flaw < 0.13:
+                    sp.parent_span_id = b"\x02" * 5
+                elif flaw < 0.16:
+                    sp.end_time_unix_nano = sp.start_time_unix_nano - 1
+                elif flaw < 0.19:
+                    sp.start_time_unix_nano = 5
+                elif flaw < 0.22:
+                    sp.start_time_unix_nano = NOW + 10**16
+                elif flaw < 0.25:
+                    sp.end_time_unix_nano = sp.start_time_unix_nano + 10**17
+                elif flaw < 0.30:
+                    ev = sp.events.add()
+                    ev.name, ev.time_unix_nano = "e", NOW
+                elif flaw < 0.33:
+                    ln = sp.links.add()
+                    ln.trace_id, ln.span_id = b"\x03" * 16, b"\x04" * 8
+                elif flaw < 0.36:
+                    ln = sp.links.add()
+                    ln.trace_id, ln.span_id = b"\x03" * 15, b"\x04" * 8
+                elif flaw < 0.40:
+                    for a in range(12):
+                        kv = sp.attributes.add()
+                        kv.key, kv.value.string_value = f"many{a}", "x"
+                elif flaw < 0.43:
+                    kv = sp.attributes.add()
+                    kv.key, kv.value.string_value = "long", "y" * 3000
+                elif flaw < 0.46:
+                    sp.name = "n" * 1500
+    return req
+
+
+SMALL_LIMITS = Limits(max_attributes=10, max_value_bytes=2000, max_name_bytes=1000, max_events=1, max_links=1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_scan_agrees_with_the_python_checks_on_every_kind_of_span(seed, monkeypatch):
+    body = _request(seed).SerializeToString()
+    for limits in (None, SMALL_LIMITS):
+        fast, slow, used = _both(body, monkeypatch, limits)
+        assert used == [True], "the scan vouched for a well-formed request"
+        assert fast == slow
+
+
+def test_a_plugin_like_request_is_checked_by_the_scan_alone(monkeypatch):
+    body = plugin_like_request(300, seed=3, t0=NOW - 10**9)
+    fast, slow, used = _both(body, monkeypatch)
+    assert used == [True] and fast == slow
+    assert fast[0] is body or fast[0] == body, "nothing to change: the bytes received are stored"
+    assert fast[1][:2] == (300, 0)
+
+
+def test_unknown_and_repeated_fields_read_as_the_parser_reads_them(monkeypatch):
+    """A repeated singular field (the last wins), unknown fields of every wire type."""
+    sp = trace_service_pb2.ExportTraceServiceRequest()
+    s = sp.resource_spans.add().scope_spans.add().spans.add()
+    s.trace_id, s.span_id, s.start_time_unix_nano, s.end_time_unix_nano = b"\x01" * 16, b"\x02" * 8, NOW - 5, NOW
+    span = s.SerializeToString()
+    extras = [
+        b"\x0a\x10" + bytes(16),  # trace_id again, all zero: the last one wins (invalid)
+        b"\xa8\x1f\x05",  # field 501, varint
+        b"\xb1\x1f" + bytes(8),  # field 502, fixed64
+        b"\xbd\x1f" + bytes(4),  # field 503, fixed32
+        b"\xc2\x1f\x03abc",  # field 504, bytes
+        b"\x39" + (NOW + 10**18).to_bytes(8, "little"),  # start again (absurd)
+        b"\x30\x05",  # kind as a varint (known field)
+        b"\x0a\x03abc" + b"\x0a\x10" + b"\x05" * 16,  # trace id short, then fine again
+    ]
+    for extra in extras:
+        for with_extra in (span + extra, extra + span):
+            body = b"\x0a" + _len(b"\x12" + _len(b"\x12" + _len(with_extra)))
+            try:
+                accept_protobuf(body, now_ns=NOW)
+            except DecodeError:
+                continue
+            fast, slow, _ = _both(body, monkeypatch)
+            assert fast == slow, extra
+
+
+def _len(b: bytes) -> bytes:
+    n, out = len(b), bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out) + b
+
+
+def test_random_damage_never_makes_the_scan_disagree(monkeypatch):
+    """Valid requests with bytes flipped, cut, repeated: whatever upb still parses is checked
+    the same way by both paths; nothing crashes."""
+    rng = random.Random(7)
+    bases = [_request(s).SerializeToString() for s in range(4)] + [plugin_like_request(40, seed=1, t0=NOW - 10**9)]
+    compared = scanned = 0
+    for trial in range(2000):
+        b = bytearray(rng.choice(bases))
+        for _ in range(rng.randint(1, 2)):
+            op, i = rng.random(), rng.randrange(len(b))
+            if op < 0.6:
+                b[i] = rng.randrange(256)
+            elif op < 0.8:
+                del b[i:i + rng.randint(1, 8)]
+            else:
+                b[i:i] = b[i:i + rng.randint(1, 16)]
+        body = bytes(b)
+        try:
+            accept_protobuf(body, now_ns=NOW)
+        except DecodeError:
+            continue
+        fast, slow, used = _both(body, monkeypatch)
+        assert fast == slow, trial
+        compared += 1
+        scanned += used == [True]
+    print(f"{compared} damaged requests parsed, {scanned} of them vouched for by the scan")
+    assert scanned > 100, "enough damaged requests still parse to say something"
