@@ -31,6 +31,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support/
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
+from ttftscope.collector import otlp_scan  # noqa: E402
 from ttftscope.collector.otlp import accept_protobuf, decode  # noqa: E402
 from ttftscope.collector.otlp_sql import warm_up  # noqa: E402
 from ttftscope.collector.pipeline import Pipeline  # noqa: E402
@@ -200,6 +201,7 @@ def main() -> None:
     print(f"{a.requests} OTLP requests x {a.spans_per_request} spans = {total} spans, "
           f"{sum(map(len, bodies)) / 1e6:.1f} MB protobuf; figures are spans per CPU-second")
     warm_up()
+    print(f"arrival check: {'compiled scan (numba)' if otlp_scan.warm_up() else 'Python per span (no numba)'}")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         f = floor(bodies)

@@ -24,7 +24,7 @@ by environment variables, read in the process where the cause belongs:
 * ``PLANTED_LOOP_PAUSE_MS``: the engine core's busy loop pauses this long after every step
   that ran the model, once its outputs are on their way (``EngineCore.post_step``): idle
   engine-loop time between steps while requests wait (a bubble: as a garbage-collection pause
-  or a slow callback in the loop would make). The pause keeps its core (``_hold_core``).
+  or a slow callback in the loop would make).
 * ``PLANTED_TOKEN_BUDGET``: the scheduler's token budget per step (as ``--max-num-batched-tokens``)
   this small, with a switch file only while it exists (``PLANTED_TOKEN_BUDGET`` in the switch
   directory): long prompts prefilled in many chunks, against the same server's own budget.
@@ -136,19 +136,6 @@ def _slow_first_steps(ms: float, n: int) -> None:
     gpu_worker.Worker.execute_model = execute_model
 
 
-def _hold_core(seconds: float) -> None:
-    """Keep this thread's core for ``seconds`` while the process's other threads may take the GIL
-    (numpy sums release it): an engine loop held up in native code. A sleep would hand the core
-    to the API server and the workers, on two cores a speed-up of everything else the paused
-    requests wait for, which a server with free cores does not get."""
-    import numpy as np
-
-    buf = np.ones(1 << 14)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        buf.sum()
-
-
 def _loop_pause(ms: float, on) -> None:
     from vllm.v1.engine import core
 
@@ -160,7 +147,7 @@ def _loop_pause(ms: float, on) -> None:
     def post_step(self, model_executed, *a, **kw):
         out = orig(self, model_executed, *a, **kw)
         if model_executed and on():
-            _hold_core(ms / 1000)
+            time.sleep(ms / 1000)
         return out
 
     post_step._planted = True
