@@ -47,8 +47,28 @@ class _Hist:
         return m
 
 
-def _lookup(col: pa.ChunkedArray, key: str) -> pa.Array:
-    return pc.fill_null(pc.map_lookup(col, key, "first"), "")
+def _lookups(col: pa.ChunkedArray, keys: tuple[str, ...]) -> dict[str, pa.Array]:
+    """Each key's value in every row of a string map column ("" where absent; the first entry
+    where a key repeats): one pass over the flattened entries for all keys (``pc.map_lookup``
+    walks the maps once per key, and was most of this module's time)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    n = len(arr)
+    off = arr.offsets.to_numpy()
+    lo, hi = int(off[0]), int(off[-1])
+    ks, vs = arr.keys.slice(lo, hi - lo), arr.items.slice(lo, hi - lo)
+    parents = np.repeat(np.arange(n), np.diff(off))
+    valid = None if arr.null_count == 0 else arr.is_valid().to_numpy(zero_copy_only=False)[parents]
+    out = {}
+    for key in keys:
+        hit = pc.equal(ks, key).to_numpy(zero_copy_only=False)
+        if valid is not None:
+            hit &= valid
+        at = np.flatnonzero(hit)
+        pos = np.full(n, -1, dtype=np.int64)
+        pos[parents[at][::-1]] = at[::-1]  # the first entry wins
+        got = pc.take(vs, pa.array(pos, mask=pos < 0))
+        out[key] = pc.fill_null(got, "")
+    return out
 
 
 class PhaseMetrics:
@@ -65,42 +85,35 @@ class PhaseMetrics:
 
     def observe(self, table: pa.Table) -> None:
         # a span's phase: its ttftscope.phase attribute (another instrumentation's label) or its name's
-        label = _lookup(table.column("SpanAttributes"), Attr.PHASE)
-        wanted = pc.or_(pc.is_in(label, pa.array(SPAN_PHASES)),
-                        pc.is_in(table.column("SpanName"), pa.array([*OWN_SPAN_PHASE, SpanName.HTTP, SpanName.PROCESS_START])))
-        t = table.filter(wanted)
-        if t.num_rows == 0:
+        label_all = _lookups(table.column("SpanAttributes"), (Attr.PHASE,))[Attr.PHASE]
+        wanted = pc.or_(pc.is_in(label_all, pa.array(SPAN_PHASES)),
+                        pc.is_in(table.column("SpanName"),
+                                 pa.array([*OWN_SPAN_PHASE, SpanName.HTTP, SpanName.PROCESS_START])))
+        if not pc.any(wanted).as_py():
             return
-        sa, ra = t.column("SpanAttributes"), t.column("ResourceAttributes")
-        own = _lookup(sa, Attr.MODEL)
-        model = pc.if_else(pc.not_equal(own, ""), own, _lookup(ra, ResourceAttr.MODEL))
-        df = pl.DataFrame({
-            "name": t.column("SpanName").to_numpy(zero_copy_only=False),
-            "label": label.filter(wanted).to_numpy(zero_copy_only=False),
-            "seconds": t.column("Duration").to_numpy().astype(float) / 1e9,
-            "model": model.to_numpy(zero_copy_only=False),
-            "priority": _lookup(sa, Attr.PRIORITY).to_numpy(zero_copy_only=False),
-        }).with_columns(pl.when(pl.col("label").is_in(SPAN_PHASES)).then(pl.col("label"))  # a label we know
-                        .otherwise(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="")).alias("phase"))
+        t = table.filter(wanted)
+        sa = _lookups(t.column("SpanAttributes"), (Attr.MODEL, Attr.PRIORITY, Attr.HTTP_STREAMING, Attr.RANK))
+        ra = _lookups(t.column("ResourceAttributes"),
+                      (ResourceAttr.MODEL, ResourceAttr.SERVICE_INSTANCE, ResourceAttr.ROLE))
+        cols = {"name": t.column("SpanName").combine_chunks(), "label": label_all.filter(wanted),
+                "own_model": sa[Attr.MODEL], "res_model": ra[ResourceAttr.MODEL], "priority": sa[Attr.PRIORITY],
+                "streaming": sa[Attr.HTTP_STREAMING], "rank": sa[Attr.RANK],
+                "instance": ra[ResourceAttr.SERVICE_INSTANCE], "role": ra[ResourceAttr.ROLE],
+                "seconds": pc.divide(t.column("Duration").cast(pa.float64()), 1e9).combine_chunks()}
+        df = pl.from_arrow(pa.table({k: v.cast(pa.string()) if k != "seconds" else v for k, v in cols.items()})).with_columns(
+            pl.when(pl.col("own_model") != "").then(pl.col("own_model")).otherwise(pl.col("res_model")).alias("model"),
+            pl.when(pl.col("label").is_in(SPAN_PHASES)).then(pl.col("label"))  # a label we know
+            .otherwise(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="")).alias("phase"))
 
-        def only(name: str, **keys: tuple[str, str]) -> pl.DataFrame:
-            """The rows of one span name, with the attributes only they need (looked up there)."""
-            mask = pc.equal(t.column("SpanName"), name)
-            sub = t.filter(mask)
-            cols = {k: _lookup(sub.column(col), key).to_numpy(zero_copy_only=False) for k, (col, key) in keys.items()}
-            return df.filter(pl.Series(mask.to_numpy(zero_copy_only=False))).with_columns(
-                [pl.Series(k, v, dtype=pl.Utf8) for k, v in cols.items()])
+        def only(name: str) -> pl.DataFrame:
+            return df.filter(pl.col("name") == name)
 
-        http = only(SpanName.HTTP, streaming=("SpanAttributes", Attr.HTTP_STREAMING))
-        allreduce = only(SpanName.ALLREDUCE, rank=("SpanAttributes", Attr.RANK))
-        starts = only(SpanName.PROCESS_START, instance=("ResourceAttributes", ResourceAttr.SERVICE_INSTANCE),
-                      role=("ResourceAttributes", ResourceAttr.ROLE))
         with self._lock:
             self.phase.observe(df.filter((pl.col("phase") != "") & (pl.col("name") != SpanName.ALLREDUCE_CALL)),
                                "seconds")
-            self.ttft.observe(http, "seconds")
-            self.allreduce.observe(allreduce, "seconds")
-            for r in starts.iter_rows(named=True):  # a few per start
+            self.ttft.observe(only(SpanName.HTTP), "seconds")
+            self.allreduce.observe(only(SpanName.ALLREDUCE), "seconds")
+            for r in only(SpanName.PROCESS_START).iter_rows(named=True):  # a few per start
                 self.cold[(r["instance"], r["role"])] = r["seconds"]
 
     def collect(self):
