@@ -18,6 +18,7 @@ import pyarrow as pa
 from ttftscope.schemas.store import Store
 
 from .metrics import CollectorMetrics
+from .otel_setup import name_native_thread
 from .otlp_sql import decode_bodies, warm_up
 from .spool import ARROW, OTLP, OTLP_EVENTS_LINKS, Segment, Spool
 
@@ -174,6 +175,7 @@ class Pipeline:
         last_maintain = time.monotonic()
         # threads chDB starts from here inherit this mask: SIGTERM/SIGINT go to the main thread
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        name_native_thread("ttftscope-flush")
         try:
             warm_up()
         except Exception as e:  # noqa: BLE001 - the first flush reports it

@@ -20,6 +20,7 @@ import orjson
 from google.rpc import status_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .otel_setup import name_native_thread
 from .otlp import DecodeError, Limits, accept_protobuf, decode, encode_response
 from .pipeline import Backpressure, Pipeline
 
@@ -88,6 +89,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.config.read_timeout_s  # socket timeout for every read
+        name_native_thread("ttftscope-conn")  # what connections cost, apart (top -H, /proc/*/task)
         super().setup()
 
     def log_message(self, fmt: str, *args) -> None:  # quiet: metrics tell the story
