@@ -10,6 +10,7 @@ and reported through OTLP partial success; a malformed payload raises :class:`De
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -511,15 +512,29 @@ def _clip_span(sp, path: str, lim: Limits, report: DecodeReport) -> tuple[str | 
     return None, changed
 
 
-def _check_span(sp, path: str, lo: int, hi: int, max_dur: int, max_attrs: int, may_be_long: bool, small: int,
-                lim: Limits, report: DecodeReport) -> tuple[str | None, bool]:
-    """(reason to reject, changed) for one parsed span: ids and times, then the limits for
-    one that may exceed them (many attributes, events, links, a big span)."""
-    why = _why_span(sp, lo, hi, max_dur)
-    if why is None and (len(sp.attributes) > max_attrs or sp.events or sp.links
-                        or (may_be_long and sp.ByteSize() > small)):
-        return _clip_span(sp, path, lim, report)
-    return why, False
+def _check_spans(ss, ks, i: int, j: int, *, lo: int, hi: int, max_dur: int, max_attrs: int, may_be_long: bool,
+                 small: int, lim: Limits, report: DecodeReport) -> tuple[int, bool, bool]:
+    """Check spans ``ks`` (indices, ascending) of the parsed ScopeSpans ``ss`` (``j`` of resource
+    ``i``): ids and times, then the limits for one that may exceed them (many attributes,
+    events, links, a big span); rejected ones are cut out. Returns (accepted, changed,
+    some accepted span has events or links)."""
+    accepted, changed, events_links, drop = 0, False, False, []
+    for k in ks:
+        sp = ss.spans[k]
+        why, ch = _why_span(sp, lo, hi, max_dur), False
+        if why is None and (len(sp.attributes) > max_attrs or sp.events or sp.links
+                            or (may_be_long and sp.ByteSize() > small)):
+            why, ch = _clip_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lim, report)
+        changed |= ch
+        if why is not None:
+            report.reject(why)
+            drop.append(k)
+        else:
+            accepted += 1
+            events_links |= bool(sp.events or sp.links)
+    for k in reversed(drop):
+        del ss.spans[k]
+    return accepted, changed or bool(drop), events_links
 
 
 class Accepted(NamedTuple):
@@ -549,11 +564,20 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
     changed = events_links = False
     accepted = 0
     scopes = [ss for rs in req.resource_spans for ss in rs.scope_spans]
+    check = functools.partial(_check_spans, lo=lo, hi=hi, max_dur=max_dur, max_attrs=max_attrs,
+                              may_be_long=may_be_long, small=small, lim=lim, report=report)
     fast = (S.scan(body, sum(len(ss.spans) for ss in scopes), len(scopes))
             if min(lo, max_dur) >= 0 else None)  # (limits that fit the scan's unsigned times)
-    if fast is not None:
+    for rs in req.resource_spans:
+        changed |= _clip_kvs(rs.resource.attributes, lim, report)
+    if fast is None:  # every span checked in Python
+        for i, rs in enumerate(req.resource_spans):
+            for j, ss in enumerate(rs.scope_spans):
+                n, ch, el = check(ss, range(len(ss.spans)), i, j)
+                accepted, changed, events_links = accepted + n, changed | ch, events_links | el
+    else:
         ints, times, where = fast
-        # a span the Python checks below would pass untouched: ids, times, no limit within reach
+        # a span the Python checks would pass untouched: ids, times, no limit within reach
         start, end = times[:, 0], times[:, 1]
         fine = ((ints[:, S.TID_LEN] == 16) & (ints[:, S.TID_ZERO] == 0) & (ints[:, S.SID_LEN] == 8)
                 & (ints[:, S.SID_ZERO] == 0) & ((ints[:, S.PARENT_LEN] == 0) | (ints[:, S.PARENT_LEN] == 8))
@@ -562,49 +586,15 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
                 & (ints[:, S.N_ATTRS] <= max_attrs) & (ints[:, S.N_EVENTS_LINKS] == 0))
         if may_be_long:
             fine &= ints[:, S.SIZE] <= small
-        for rs in req.resource_spans:
-            changed |= _clip_kvs(rs.resource.attributes, lim, report)
         accepted = int(fine.sum())
         if accepted < len(fine):  # the few that need a closer look, scope by scope
             bad = np.flatnonzero(~fine)
             first = np.searchsorted(ints[:, S.SCOPE], np.arange(len(scopes)))  # each scope's first row
             for g in np.unique(ints[bad, S.SCOPE]).tolist():
                 i, j = where[g].tolist()
-                ss = req.resource_spans[i].scope_spans[j]
-                drop = []
-                for k in (bad[ints[bad, S.SCOPE] == g] - first[g]).tolist():
-                    sp = ss.spans[k]
-                    why, ch = _check_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lo, hi, max_dur,
-                                          max_attrs, may_be_long, small, lim, report)
-                    changed |= ch
-                    events_links |= why is None and bool(sp.events or sp.links)
-                    if why is not None:
-                        report.reject(why)
-                        drop.append(k)
-                    else:
-                        accepted += 1
-                for k in reversed(drop):
-                    del ss.spans[k]
-                changed |= bool(drop)
-        report.accepted = accepted
-        return Accepted(req.SerializeToString() if changed else body, report, events_links)
-    for i, rs in enumerate(req.resource_spans):
-        changed |= _clip_kvs(rs.resource.attributes, lim, report)
-        for j, ss in enumerate(rs.scope_spans):
-            drop: list[int] = []
-            for k, sp in enumerate(ss.spans):
-                why, ch = _check_span(sp, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", lo, hi, max_dur,
-                                      max_attrs, may_be_long, small, lim, report)
-                changed |= ch
-                events_links |= why is None and bool(sp.events or sp.links)
-                if why is not None:
-                    report.reject(why)
-                    drop.append(k)
-                else:
-                    accepted += 1
-            for k in reversed(drop):
-                del ss.spans[k]
-            changed |= bool(drop)
+                ks = (bad[ints[bad, S.SCOPE] == g] - first[g]).tolist()
+                n, ch, el = check(req.resource_spans[i].scope_spans[j], ks, i, j)
+                accepted, changed, events_links = accepted + n, changed | ch, events_links | el
     report.accepted = accepted
     return Accepted(req.SerializeToString() if changed else body, report, events_links)
 
