@@ -4,8 +4,8 @@ CPU time, not wall time: it is stable on a shared machine and it is what a colle
 Measured in one run, on the same requests:
   floor      protobuf alone: ExportTraceServiceRequest.ParseFromString (upb), the parse floor
   baseline   the old path, in-process: Python decode per span -> Arrow -> spool -> Parquet
-  pipeline   today's path, in-process: check on arrival -> spool the body (fsync) -> one chDB
-             query decodes the segment -> Parquet part (stages shown)
+  pipeline   today's path, in-process: check on arrival -> spool the body (fsync) -> the compiled
+             pass decodes the segment (chDB the bodies it leaves) -> Parquet part (stages shown)
   http bulk  the real `ttftscope collect` over HTTP, 2 senders posting big requests; the
              collector's CPU from /proc (all threads) per stored span, its RSS sampled
   http fleet the same collector fed like a fleet of vLLM processes: many senders, each
@@ -31,7 +31,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support/
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
-from ttftscope.collector import otlp_scan  # noqa: E402
+from ttftscope.collector import otlp_compiled  # noqa: E402
 from ttftscope.collector.otlp import accept_protobuf, decode  # noqa: E402
 from ttftscope.collector.otlp_sql import warm_up  # noqa: E402
 from ttftscope.collector.pipeline import Pipeline  # noqa: E402
@@ -201,7 +201,8 @@ def main() -> None:
     print(f"{a.requests} OTLP requests x {a.spans_per_request} spans = {total} spans, "
           f"{sum(map(len, bodies)) / 1e6:.1f} MB protobuf; figures are spans per CPU-second")
     warm_up()
-    print(f"arrival check: {'compiled scan (numba)' if otlp_scan.warm_up() else 'Python per span (no numba)'}")
+    print("arrival check and flush decode: "
+          + ("compiled (numba)" if otlp_compiled.warm_up() else "Python per span and chDB (no numba)"))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         f = floor(bodies)
@@ -209,7 +210,7 @@ def main() -> None:
         b, bst = pipeline(bodies, tmp, "baseline", old=True)
         print(f"baseline   python decode + spool + Parquet           {b:>10,.0f}   time share %: {bst}")
         p, st = pipeline(bodies, tmp, "pipeline", old=False)
-        print(f"pipeline   check + spool + chDB decode + Parquet     {p:>10,.0f}   = {p / b:.2f} x baseline"
+        print(f"pipeline   check + spool + decode + Parquet          {p:>10,.0f}   = {p / b:.2f} x baseline"
               f"   time share %: {st}")
         h, wall, rss = http_bulk(bodies, tmp, a.http_seconds)
         print(f"http bulk  `ttftscope collect`, 2 senders            {h:>10,.0f}   = {h / b:.2f} x baseline"

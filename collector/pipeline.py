@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pyarrow as pa
 from ttftscope.schemas.store import Store
 
+from . import otlp_compiled
 from .metrics import CollectorMetrics
 from .otel_setup import name_native_thread
 from .otlp_sql import decode_bodies, warm_up
@@ -122,8 +123,13 @@ class Pipeline:
             tables.append(from_ipc(arrow))
         for kind, events_links in ((OTLP, False), (OTLP_EVENTS_LINKS, True)):
             bodies = [p for k, p in records if k == kind]
-            if bodies:
-                tables.append(decode_bodies(bodies, scratch_dir=self.spool.dir, events_links=events_links))
+            if bodies:  # the compiled pass, and the chDB query for the bodies it leaves
+                table, left = otlp_compiled.decode(bodies)
+                if table.num_rows:
+                    tables.append(table)
+                if left:
+                    tables.append(decode_bodies([bodies[i] for i in left], scratch_dir=self.spool.dir,
+                                                events_links=events_links))
         return pa.concat_tables(tables) if tables else None
 
     def _observe(self, seg: Segment, table: pa.Table | None) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ttftscope.schemas.store import open_store, redact_url
 
-from . import otlp_scan
+from . import otlp_compiled
 from .metrics import CollectorMetrics
 from .pipeline import Pipeline
 from .server import CollectorHTTPServer, ServerConfig
@@ -61,8 +61,9 @@ class Collector:
         return self.server.url
 
     def start(self) -> Collector:
-        # the arrival check's compiled scan: requests before it is ready are checked in Python
-        threading.Thread(target=otlp_scan.warm_up, name="ttftscope-jit", daemon=True).start()
+        # the arrival check's compiled scan and the flush's compiled decode: until they are ready
+        # requests are checked in Python and bodies decoded by chDB
+        threading.Thread(target=otlp_compiled.warm_up, name="ttftscope-jit", daemon=True).start()
         self.pipeline.start()
         self._thread = threading.Thread(target=self.server.serve_forever, name="ttftscope-http", daemon=True)
         self._thread.start()

@@ -1,0 +1,586 @@
+"""Checked OTLP protobuf bodies -> ``otel_traces`` rows by one compiled pass over the bytes.
+
+The flush used to hand every segment to one chDB query (``otlp_sql``): the work stays in C++,
+but the query costs ~25 ms of analysis per flush whatever its size, and reading the nested
+Protobuf and building the maps came to ~4 µs a span. Here numba walks the same bytes twice —
+count, then fill flat arrays (offsets into the bodies, numbers) — and Arrow builds the columns
+from them: strings gathered into one buffer, ids spelled as hex, attribute values as text, maps
+from offsets. No Python per span or per attribute, except one call per double attribute value
+(spelled by ``otlp.format_double``, the definition).
+
+Only what the chDB query spells the same way is taken here: a body with span events or links,
+an array, key-value-list or bytes attribute value, a message field given twice (protobuf merges
+those), or anything the walk does not expect is left to ``otlp_sql`` — the caller passes those
+bodies on. ``tests/test_otlp_compiled.py`` holds the two to the same rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from ttftscope.schemas.columns import ARROW_SCHEMA
+from ttftscope.schemas.vocabulary import SPAN_KINDS, STATUS_CODES
+
+from . import otlp_scan
+from .otlp_scan import _fixed64, _jit, _skip, _varint
+
+# value types of an attribute (AnyValue's oneof field numbers; 0: none set)
+V_NONE, V_STR, V_BOOL, V_INT, V_DBL = 0, 1, 2, 3, 4
+
+# per-span integer columns
+(SP_BODY, SP_RES, SP_SCOPE, SP_TID, SP_TIDN, SP_SID, SP_SIDN, SP_PID, SP_PIDN, SP_TS, SP_TSN, SP_NAME, SP_NAMEN,
+ SP_MSG, SP_MSGN, SP_KIND, SP_CODE, SP_A0, SP_AN) = range(19)
+N_SP = 19
+# per-attribute integer columns (span and resource attributes share one table)
+AT_KEY, AT_KEYN, AT_TYPE, AT_VAL, AT_VALN, AT_INT = range(6)
+N_AT = 6
+# per-resource: first attribute, count; per-scope: name, version
+RS_A0, RS_AN = range(2)
+SC_NAME, SC_NAMEN, SC_VER, SC_VERN = range(4)
+
+_TRUE = np.frombuffer(b"true", dtype=np.uint8)
+_FALSE = np.frombuffer(b"false", dtype=np.uint8)
+
+
+def _int32(v):
+    """A protobuf int32 read from its varint: the low 32 bits, signed (as upb and ClickHouse)."""
+    x = np.int64(v & np.uint64(0xFFFFFFFF))
+    return x - np.int64(1 << 32) if x >= np.int64(1 << 31) else x
+
+
+def _attr(buf, pos, end, fill, row, at, dbl):
+    """One KeyValue in ``buf[pos:end]``; 0 ok, 1 take the body elsewhere."""
+    if fill:
+        at[row, AT_KEY] = 0
+        at[row, AT_KEYN] = 0
+        at[row, AT_TYPE] = V_NONE
+        at[row, AT_VAL] = 0
+        at[row, AT_VALN] = 0
+        at[row, AT_INT] = 0
+        dbl[row] = 0
+    seen_value = False
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        if pos < 0:
+            return 1
+        f = tag >> np.uint64(3)
+        w = np.int64(tag & np.uint64(7))
+        if f == 1 and w == 2:  # key
+            n, pos = _varint(buf, pos, end)
+            if pos < 0 or n > np.uint64(end - pos):
+                return 1
+            if fill:
+                at[row, AT_KEY] = pos
+                at[row, AT_KEYN] = np.int64(n)
+            pos += np.int64(n)
+        elif f == 2 and w == 2:  # value: an AnyValue
+            if seen_value:
+                return 1  # given twice: protobuf merges the two
+            seen_value = True
+            n, pos = _varint(buf, pos, end)
+            if pos < 0 or n > np.uint64(end - pos):
+                return 1
+            vend = pos + np.int64(n)
+            while pos < vend:
+                t2, pos = _varint(buf, pos, vend)
+                if pos < 0:
+                    return 1
+                f2 = t2 >> np.uint64(3)
+                w2 = np.int64(t2 & np.uint64(7))
+                if f2 == 1 and w2 == 2:
+                    m, pos = _varint(buf, pos, vend)
+                    if pos < 0 or m > np.uint64(vend - pos):
+                        return 1
+                    if fill:
+                        at[row, AT_TYPE] = V_STR
+                        at[row, AT_VAL] = pos
+                        at[row, AT_VALN] = np.int64(m)
+                    pos += np.int64(m)
+                elif (f2 == 2 or f2 == 3) and w2 == 0:
+                    v, pos = _varint(buf, pos, vend)
+                    if pos < 0:
+                        return 1
+                    if fill:
+                        at[row, AT_TYPE] = V_BOOL if f2 == 2 else V_INT
+                        at[row, AT_INT] = np.int64(v) if f2 == 3 else (1 if v != np.uint64(0) else 0)
+                elif f2 == 4 and w2 == 1:
+                    if pos + 8 > vend:
+                        return 1
+                    if fill:
+                        at[row, AT_TYPE] = V_DBL
+                        dbl[row] = _fixed64(buf, pos)
+                    pos += 8
+                elif f2 >= 5 and f2 <= 7:
+                    return 1  # arrays, key-value lists, bytes: spelled elsewhere
+                else:
+                    pos = _skip(buf, pos, vend, w2)
+                    if pos < 0:
+                        return 1
+            if pos != vend:
+                return 1
+        else:
+            pos = _skip(buf, pos, end, w)
+            if pos < 0:
+                return 1
+    return 0 if pos == end else 1
+
+
+def _attrs_of(buf, pos, end, field, fill, a_row, at, dbl):
+    """The KeyValues under ``field`` of the message in ``buf[pos:end]``: (count, 0/1 as _attr)."""
+    n_attrs = 0
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        if pos < 0:
+            return n_attrs, 1
+        f = tag >> np.uint64(3)
+        w = np.int64(tag & np.uint64(7))
+        if f == field and w == 2:
+            n, pos = _varint(buf, pos, end)
+            if pos < 0 or n > np.uint64(end - pos):
+                return n_attrs, 1
+            nxt = pos + np.int64(n)
+            if _attr(buf, pos, nxt, fill, a_row + n_attrs, at, dbl) != 0:
+                return n_attrs, 1
+            n_attrs += 1
+            pos = nxt
+        else:
+            pos = _skip(buf, pos, end, w)
+            if pos < 0:
+                return n_attrs, 1
+    return n_attrs, 0 if pos == end else 1
+
+
+def _span(buf, pos, end, fill, row, sp, times, a_row, at, dbl):
+    """One Span; (attributes used, 0/1)."""
+    if fill:
+        for c in range(SP_TID, N_SP):
+            sp[row, c] = 0
+        times[row, 0] = 0
+        times[row, 1] = 0
+        sp[row, SP_A0] = a_row
+    n_attrs = 0
+    seen_status = False
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        if pos < 0:
+            return n_attrs, 1
+        f = tag >> np.uint64(3)
+        w = np.int64(tag & np.uint64(7))
+        if w == 2 and (f == 1 or f == 2 or f == 3 or f == 4 or f == 5):
+            n, pos = _varint(buf, pos, end)
+            if pos < 0 or n > np.uint64(end - pos):
+                return n_attrs, 1
+            if fill:
+                c = SP_TID if f == 1 else SP_SID if f == 2 else SP_TS if f == 3 else SP_PID if f == 4 else SP_NAME
+                sp[row, c] = pos
+                sp[row, c + 1] = np.int64(n)
+            pos += np.int64(n)
+        elif w == 2 and f == 9:
+            n, pos = _varint(buf, pos, end)
+            if pos < 0 or n > np.uint64(end - pos):
+                return n_attrs, 1
+            nxt = pos + np.int64(n)
+            if _attr(buf, pos, nxt, fill, a_row + n_attrs, at, dbl) != 0:
+                return n_attrs, 1
+            n_attrs += 1
+            pos = nxt
+        elif w == 2 and (f == 11 or f == 13):
+            return n_attrs, 1  # events, links: decoded elsewhere
+        elif w == 2 and f == 15:  # status
+            if seen_status:
+                return n_attrs, 1
+            seen_status = True
+            n, pos = _varint(buf, pos, end)
+            if pos < 0 or n > np.uint64(end - pos):
+                return n_attrs, 1
+            send = pos + np.int64(n)
+            while pos < send:
+                t2, pos = _varint(buf, pos, send)
+                if pos < 0:
+                    return n_attrs, 1
+                f2 = t2 >> np.uint64(3)
+                w2 = np.int64(t2 & np.uint64(7))
+                if f2 == 2 and w2 == 2:
+                    m, pos = _varint(buf, pos, send)
+                    if pos < 0 or m > np.uint64(send - pos):
+                        return n_attrs, 1
+                    if fill:
+                        sp[row, SP_MSG] = pos
+                        sp[row, SP_MSGN] = np.int64(m)
+                    pos += np.int64(m)
+                elif f2 == 3 and w2 == 0:
+                    v, pos = _varint(buf, pos, send)
+                    if pos < 0:
+                        return n_attrs, 1
+                    if fill:
+                        sp[row, SP_CODE] = _int32(v)
+                else:
+                    pos = _skip(buf, pos, send, w2)
+                    if pos < 0:
+                        return n_attrs, 1
+            if pos != send:
+                return n_attrs, 1
+        elif w == 0 and f == 6:
+            v, pos = _varint(buf, pos, end)
+            if pos < 0:
+                return n_attrs, 1
+            if fill:
+                sp[row, SP_KIND] = _int32(v)
+        elif w == 1 and (f == 7 or f == 8):
+            if pos + 8 > end:
+                return n_attrs, 1
+            if fill:
+                times[row, f - 7] = _fixed64(buf, pos)
+            pos += 8
+        else:
+            pos = _skip(buf, pos, end, w)
+            if pos < 0:
+                return n_attrs, 1
+    if fill:
+        sp[row, SP_AN] = n_attrs
+    return n_attrs, 0 if pos == end else 1
+
+
+def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rs, sc):
+    """One ExportTraceServiceRequest; ``cnt`` holds the running totals (spans, attributes,
+    resources, scopes). 0 ok, 1 take the body elsewhere (the totals are then rolled back by
+    the caller)."""
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        if pos < 0:
+            return 1
+        f = tag >> np.uint64(3)
+        w = np.int64(tag & np.uint64(7))
+        if not (f == 1 and w == 2):
+            pos = _skip(buf, pos, end, w)
+            if pos < 0:
+                return 1
+            continue
+        n, pos = _varint(buf, pos, end)  # a ResourceSpans
+        if pos < 0 or n > np.uint64(end - pos):
+            return 1
+        rend = pos + np.int64(n)
+        res = cnt[2]
+        cnt[2] += 1
+        if fill:
+            rs[res, RS_A0] = cnt[1]
+            rs[res, RS_AN] = 0
+        seen_resource = False
+        while pos < rend:
+            t2, pos = _varint(buf, pos, rend)
+            if pos < 0:
+                return 1
+            f2 = t2 >> np.uint64(3)
+            w2 = np.int64(t2 & np.uint64(7))
+            if f2 == 1 and w2 == 2:  # the Resource
+                if seen_resource:
+                    return 1
+                seen_resource = True
+                m, pos = _varint(buf, pos, rend)
+                if pos < 0 or m > np.uint64(rend - pos):
+                    return 1
+                nxt = pos + np.int64(m)
+                k, bad = _attrs_of(buf, pos, nxt, np.uint64(1), fill, cnt[1], at, dbl)
+                if bad != 0:
+                    return 1
+                if fill:
+                    rs[res, RS_A0] = cnt[1]
+                    rs[res, RS_AN] = k
+                cnt[1] += k
+                pos = nxt
+            elif f2 == 2 and w2 == 2:  # a ScopeSpans
+                m, pos = _varint(buf, pos, rend)
+                if pos < 0 or m > np.uint64(rend - pos):
+                    return 1
+                send = pos + np.int64(m)
+                scope = cnt[3]
+                cnt[3] += 1
+                if fill:
+                    for c in range(4):
+                        sc[scope, c] = 0
+                seen_scope = False
+                while pos < send:
+                    t3, pos = _varint(buf, pos, send)
+                    if pos < 0:
+                        return 1
+                    f3 = t3 >> np.uint64(3)
+                    w3 = np.int64(t3 & np.uint64(7))
+                    if f3 == 1 and w3 == 2:  # the InstrumentationScope
+                        if seen_scope:
+                            return 1
+                        seen_scope = True
+                        q, pos = _varint(buf, pos, send)
+                        if pos < 0 or q > np.uint64(send - pos):
+                            return 1
+                        qend = pos + np.int64(q)
+                        while pos < qend:
+                            t4, pos = _varint(buf, pos, qend)
+                            if pos < 0:
+                                return 1
+                            f4 = t4 >> np.uint64(3)
+                            w4 = np.int64(t4 & np.uint64(7))
+                            if (f4 == 1 or f4 == 2) and w4 == 2:
+                                r, pos = _varint(buf, pos, qend)
+                                if pos < 0 or r > np.uint64(qend - pos):
+                                    return 1
+                                if fill:
+                                    c = SC_NAME if f4 == 1 else SC_VER
+                                    sc[scope, c] = pos
+                                    sc[scope, c + 1] = np.int64(r)
+                                pos += np.int64(r)
+                            else:
+                                pos = _skip(buf, pos, qend, w4)
+                                if pos < 0:
+                                    return 1
+                        if pos != qend:
+                            return 1
+                    elif f3 == 2 and w3 == 2:  # a Span
+                        q, pos = _varint(buf, pos, send)
+                        if pos < 0 or q > np.uint64(send - pos):
+                            return 1
+                        qend = pos + np.int64(q)
+                        row = cnt[0]
+                        if fill:
+                            sp[row, SP_BODY] = body
+                            sp[row, SP_RES] = res
+                            sp[row, SP_SCOPE] = scope
+                        k, bad = _span(buf, pos, qend, fill, row, sp, times, cnt[1], at, dbl)
+                        if bad != 0:
+                            return 1
+                        cnt[0] += 1
+                        cnt[1] += k
+                        pos = qend
+                    else:
+                        pos = _skip(buf, pos, send, w3)
+                        if pos < 0:
+                            return 1
+                if pos != send:
+                    return 1
+            else:
+                pos = _skip(buf, pos, rend, w2)
+                if pos < 0:
+                    return 1
+        if pos != rend:
+            return 1
+    return 0 if pos == end else 1
+
+
+def _walk(buf, boff, fill, ok, cnt, sp, times, at, dbl, rs, sc):
+    """Every body ``buf[boff[b]:boff[b+1]]`` whose ``ok[b]`` is set; a body the walk cannot
+    take gets ``ok[b] = 0`` and leaves no rows (counting pass; the filling pass sees only the
+    bodies the count kept, so it cannot fail)."""
+    for b in range(boff.shape[0] - 1):
+        if ok[b] == 0:
+            continue
+        keep = cnt.copy()
+        if _body(buf, boff[b], boff[b + 1], fill, b, cnt, sp, times, at, dbl, rs, sc) != 0:
+            ok[b] = 0
+            cnt[:] = keep
+
+
+def _gather(buf, off, n, hexed):
+    """The byte ranges ``buf[off[i]:off[i]+n[i]]`` as an Arrow string array's (offsets, data);
+    ``hexed``: each byte as two lower-case hex digits."""
+    k = off.shape[0]
+    offsets = np.empty(k + 1, dtype=np.int32)
+    total = 0
+    offsets[0] = 0
+    for i in range(k):
+        total += n[i] * (2 if hexed else 1)
+        offsets[i + 1] = total
+    data = np.empty(total, dtype=np.uint8)
+    digits = np.array([48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 97, 98, 99, 100, 101, 102], dtype=np.uint8)
+    if hexed:
+        for i in range(k):
+            s = off[i]
+            p = offsets[i]
+            for j in range(n[i]):
+                c = buf[s + j]
+                data[p + 2 * j] = digits[c >> 4]
+                data[p + 2 * j + 1] = digits[c & 15]
+    else:
+        for i in range(k):
+            data[offsets[i]:offsets[i + 1]] = buf[off[i]:off[i] + n[i]]
+    return offsets, data
+
+
+def _value_text(buf, at):
+    """Each attribute value as the text the store keeps (doubles left empty: spelled in Python)."""
+    k = at.shape[0]
+    offsets = np.empty(k + 1, dtype=np.int32)
+    offsets[0] = 0
+    total = 0
+    for i in range(k):
+        t = at[i, AT_TYPE]
+        if t == V_STR:
+            total += at[i, AT_VALN]
+        elif t == V_BOOL:
+            total += 4 if at[i, AT_INT] != 0 else 5
+        elif t == V_INT:
+            v = at[i, AT_INT]
+            digits = 1
+            u = np.uint64(-(v + 1)) + np.uint64(1) if v < 0 else np.uint64(v)
+            while u >= np.uint64(10):
+                u //= np.uint64(10)
+                digits += 1
+            total += digits + (1 if v < 0 else 0)
+        offsets[i + 1] = total
+    data = np.empty(total, dtype=np.uint8)
+    for i in range(k):
+        p = offsets[i]
+        t = at[i, AT_TYPE]
+        if t == V_STR:
+            s = at[i, AT_VAL]
+            for j in range(at[i, AT_VALN]):
+                data[p + j] = buf[s + j]
+        elif t == V_BOOL:
+            word = _TRUE if at[i, AT_INT] != 0 else _FALSE
+            for j in range(word.shape[0]):
+                data[p + j] = word[j]
+        elif t == V_INT:
+            v = at[i, AT_INT]
+            u = np.uint64(-(v + 1)) + np.uint64(1) if v < 0 else np.uint64(v)
+            q = offsets[i + 1] - 1
+            while True:
+                data[q] = np.uint8(48 + np.int64(u % np.uint64(10)))
+                u //= np.uint64(10)
+                q -= 1
+                if u == np.uint64(0):
+                    break
+            if v < 0:
+                data[p] = 45
+    return offsets, data
+
+
+if _jit is not None:
+    _int32 = _jit(_int32)
+    _attr = _jit(_attr)
+    _attrs_of = _jit(_attrs_of)
+    _span = _jit(_span)
+    _body = _jit(_body)
+    _walk = _jit(_walk)
+    _gather = _jit(_gather)
+    _value_text = _jit(_value_text)
+
+
+def _strings(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
+    return pa.StringArray.from_buffers(len(offsets) - 1, pa.py_buffer(offsets), pa.py_buffer(data))
+
+
+def _text(buf: np.ndarray, off: np.ndarray, n: np.ndarray, hexed: bool = False) -> pa.Array:
+    return _strings(*_gather(buf, off, n, hexed))
+
+
+def _maps(buf: np.ndarray, at: np.ndarray, bits: np.ndarray, a0: np.ndarray, an: np.ndarray) -> pa.MapArray:
+    """The string maps of the attribute ranges [a0, a0+an) of ``at`` (one map per range)."""
+    offsets = np.zeros(len(an) + 1, dtype=np.int64)
+    np.cumsum(an, out=offsets[1:])
+    idx = np.repeat(a0 - offsets[:-1], an) + np.arange(offsets[-1])  # the ranges' rows, in order
+    sub = np.asfortranarray(at[idx])
+    keys = _text(buf, sub[:, AT_KEY], sub[:, AT_KEYN])
+    values = _strings(*_value_text(buf, sub))
+    is_dbl = sub[:, AT_TYPE] == V_DBL
+    if is_dbl.any():
+        from .otlp import format_double
+
+        spelled = [format_double(x) for x in bits[idx][is_dbl].view(np.float64).tolist()]
+        values = pc.replace_with_mask(values, pa.array(is_dbl), pa.array(spelled, pa.string()))
+    return pa.MapArray.from_arrays(pa.array(offsets.astype(np.int32)), keys, values)
+
+
+def _enum(codes: np.ndarray, names: tuple[str, ...]) -> pa.Array:
+    idx = np.where((codes >= 0) & (codes < len(names)), codes, 0)
+    return pc.take(pa.array(names, pa.string()), pa.array(idx))
+
+
+def decode(bodies: list[bytes]) -> tuple[pa.Table, list[int]]:
+    """The rows of the ``bodies`` this pass takes (``ARROW_SCHEMA``, body by body, span by span)
+    and the indices of those it leaves to ``otlp_sql.decode_bodies``. Without numba (or before
+    ``otlp_scan.warm_up`` compiled the scan, which compiles this too) every body is left."""
+    if not bodies or not _ready:
+        return ARROW_SCHEMA.empty_table(), list(range(len(bodies)))
+    boff = np.zeros(len(bodies) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in bodies], out=boff[1:])
+    buf = np.frombuffer(b"".join(bodies), dtype=np.uint8)
+    ok = np.ones(len(bodies), dtype=np.uint8)
+    cnt = np.zeros(4, dtype=np.int64)
+    z2 = np.zeros((0, 1), dtype=np.int64, order="F")
+    _walk(buf, boff, False, ok, cnt, z2, np.zeros((0, 2), np.uint64, order="F"), z2, np.zeros(0, np.uint64), z2, z2)
+    n_sp, n_at, n_rs, n_sc = (int(x) for x in cnt)
+    # column-major: a column of these tables is a contiguous array for the Arrow side
+    sp = np.zeros((n_sp, N_SP), dtype=np.int64, order="F")
+    times = np.zeros((n_sp, 2), dtype=np.uint64, order="F")
+    at = np.zeros((n_at, N_AT), dtype=np.int64, order="F")
+    dbl = np.zeros(n_at, dtype=np.uint64)  # a double value's bits
+    rs = np.zeros((n_rs, 2), dtype=np.int64, order="F")
+    sc = np.zeros((n_sc, 4), dtype=np.int64, order="F")
+    cnt[:] = 0
+    _walk(buf, boff, True, ok, cnt, sp, times, at, dbl, rs, sc)
+    left = np.flatnonzero(ok == 0).tolist()
+    if n_sp == 0:
+        return ARROW_SCHEMA.empty_table(), left
+    res_maps = _maps(buf, at, dbl, rs[:, RS_A0], rs[:, RS_AN])
+    res_of = pa.array(sp[:, SP_RES])
+    svc = pc.fill_null(pc.map_lookup(res_maps, "service.name", "first"), "")  # one per resource
+    start = times[:, 0].view(np.int64)
+    cols = {
+        "Timestamp": pa.array(start).cast(pa.timestamp("ns")).cast(ARROW_SCHEMA.field("Timestamp").type),
+        "TraceId": _text(buf, sp[:, SP_TID], sp[:, SP_TIDN], hexed=True),
+        "SpanId": _text(buf, sp[:, SP_SID], sp[:, SP_SIDN], hexed=True),
+        "ParentSpanId": _text(buf, sp[:, SP_PID], sp[:, SP_PIDN], hexed=True),
+        "TraceState": _text(buf, sp[:, SP_TS], sp[:, SP_TSN]),
+        "SpanName": _text(buf, sp[:, SP_NAME], sp[:, SP_NAMEN]),
+        "SpanKind": _enum(sp[:, SP_KIND], SPAN_KINDS),
+        "ServiceName": pc.take(svc, res_of),
+        "ResourceAttributes": pc.take(res_maps, res_of),
+        "ScopeName": pc.take(_text(buf, sc[:, SC_NAME], sc[:, SC_NAMEN]), pa.array(sp[:, SP_SCOPE])),
+        "ScopeVersion": pc.take(_text(buf, sc[:, SC_VER], sc[:, SC_VERN]), pa.array(sp[:, SP_SCOPE])),
+        "SpanAttributes": _maps(buf, at, dbl, sp[:, SP_A0], sp[:, SP_AN]),
+        "Duration": pa.array(times[:, 1] - times[:, 0]),
+        "StatusCode": _enum(sp[:, SP_CODE], STATUS_CODES),
+        "StatusMessage": _text(buf, sp[:, SP_MSG], sp[:, SP_MSGN]),
+    }
+    zeros = pa.array(np.zeros(n_sp + 1, dtype=np.int32))
+    arrays = [cols[f.name].cast(f.type) if f.name in cols
+              else pa.ListArray.from_arrays(zeros, pa.array([], f.type.value_type)) for f in ARROW_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA), left
+
+
+
+_ready = False
+
+
+def warm_up() -> bool:
+    """Compile (or load from numba's cache) this pass now; until then every body is left to
+    ``otlp_sql``. True when it is in use."""
+    global _ready
+    if not otlp_scan.warm_up():
+        return False
+    try:
+        _ready = True
+        table, left = decode([_SAMPLE])
+        _ready = not left and table.num_rows == 1
+    except Exception:  # noqa: BLE001 - the chDB path stays
+        _ready = False
+        otlp_scan.log.warning("cannot compile the OTLP decode pass; bodies are decoded by chDB", exc_info=True)
+    return _ready
+
+
+def _sample() -> bytes:
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    kv = rs.resource.attributes.add()
+    kv.key, kv.value.string_value = "service.name", "warm-up"
+    sp = rs.scope_spans.add().spans.add()
+    sp.trace_id, sp.span_id, sp.name = b"\x01" * 16, b"\x02" * 8, "warm-up"
+    for key, setter in (("s", "string_value"), ("b", "bool_value"), ("i", "int_value"), ("d", "double_value")):
+        kv = sp.attributes.add()
+        kv.key = key
+        setattr(kv.value, setter, {"string_value": "x", "bool_value": True, "int_value": -3, "double_value": 0.5}[setter])
+    return req.SerializeToString()
+
+
+_SAMPLE = _sample()
