@@ -242,9 +242,9 @@ def _span(buf, pos, end, fill, row, sp, times, a_row, at, dbl):
     return n_attrs, 0 if pos == end else 1
 
 
-def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rs, sc):
-    """One ExportTraceServiceRequest; ``cnt`` holds the running totals (spans, attributes,
-    resources, scopes). 0 ok, 1 take the body elsewhere (the totals are then rolled back by
+def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rat, rdbl, rs, sc):
+    """One ExportTraceServiceRequest; ``cnt`` holds the running totals (spans, span attributes,
+    resources, scopes, resource attributes: ``at``/``dbl`` and ``rat``/``rdbl``). 0 ok, 1 take the body elsewhere (the totals are then rolled back by
     the caller)."""
     while pos < end:
         tag, pos = _varint(buf, pos, end)
@@ -264,7 +264,7 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rs, sc):
         res = cnt[2]
         cnt[2] += 1
         if fill:
-            rs[res, RS_A0] = cnt[1]
+            rs[res, RS_A0] = cnt[4]
             rs[res, RS_AN] = 0
         seen_resource = False
         while pos < rend:
@@ -281,13 +281,13 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rs, sc):
                 if pos < 0 or m > np.uint64(rend - pos):
                     return 1
                 nxt = pos + np.int64(m)
-                k, bad = _attrs_of(buf, pos, nxt, np.uint64(1), fill, cnt[1], at, dbl)
+                k, bad = _attrs_of(buf, pos, nxt, np.uint64(1), fill, cnt[4], rat, rdbl)
                 if bad != 0:
                     return 1
                 if fill:
-                    rs[res, RS_A0] = cnt[1]
+                    rs[res, RS_A0] = cnt[4]
                     rs[res, RS_AN] = k
-                cnt[1] += k
+                cnt[4] += k
                 pos = nxt
             elif f2 == 2 and w2 == 2:  # a ScopeSpans
                 m, pos = _varint(buf, pos, rend)
@@ -366,7 +366,7 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rs, sc):
     return 0 if pos == end else 1
 
 
-def _walk(buf, boff, fill, ok, cnt, sp, times, at, dbl, rs, sc):
+def _walk(buf, boff, fill, ok, cnt, sp, times, at, dbl, rat, rdbl, rs, sc):
     """Every body ``buf[boff[b]:boff[b+1]]`` whose ``ok[b]`` is set; a body the walk cannot
     take gets ``ok[b] = 0`` and leaves no rows (counting pass; the filling pass sees only the
     bodies the count kept, so it cannot fail)."""
@@ -374,7 +374,7 @@ def _walk(buf, boff, fill, ok, cnt, sp, times, at, dbl, rs, sc):
         if ok[b] == 0:
             continue
         keep = cnt.copy()
-        if _body(buf, boff[b], boff[b + 1], fill, b, cnt, sp, times, at, dbl, rs, sc) != 0:
+        if _body(buf, boff[b], boff[b + 1], fill, b, cnt, sp, times, at, dbl, rat, rdbl, rs, sc) != 0:
             ok[b] = 0
             cnt[:] = keep
 
@@ -472,21 +472,20 @@ def _text(buf: np.ndarray, off: np.ndarray, n: np.ndarray, hexed: bool = False) 
     return _strings(*_gather(buf, off, n, hexed))
 
 
-def _maps(buf: np.ndarray, at: np.ndarray, bits: np.ndarray, a0: np.ndarray, an: np.ndarray) -> pa.MapArray:
-    """The string maps of the attribute ranges [a0, a0+an) of ``at`` (one map per range)."""
-    offsets = np.zeros(len(an) + 1, dtype=np.int64)
+def _maps(buf: np.ndarray, at: np.ndarray, bits: np.ndarray, an: np.ndarray) -> pa.MapArray:
+    """One string map per owner (span or resource) from its ``an`` attributes, which follow
+    each other in ``at`` in owner order."""
+    offsets = np.zeros(len(an) + 1, dtype=np.int32)
     np.cumsum(an, out=offsets[1:])
-    idx = np.repeat(a0 - offsets[:-1], an) + np.arange(offsets[-1])  # the ranges' rows, in order
-    sub = np.asfortranarray(at[idx])
-    keys = _text(buf, sub[:, AT_KEY], sub[:, AT_KEYN])
-    values = _strings(*_value_text(buf, sub))
-    is_dbl = sub[:, AT_TYPE] == V_DBL
+    keys = _text(buf, at[:, AT_KEY], at[:, AT_KEYN])
+    values = _strings(*_value_text(buf, at))
+    is_dbl = at[:, AT_TYPE] == V_DBL
     if is_dbl.any():
         from .otlp import format_double
 
-        spelled = [format_double(x) for x in bits[idx][is_dbl].view(np.float64).tolist()]
+        spelled = [format_double(x) for x in bits[is_dbl].view(np.float64).tolist()]
         values = pc.replace_with_mask(values, pa.array(is_dbl), pa.array(spelled, pa.string()))
-    return pa.MapArray.from_arrays(pa.array(offsets.astype(np.int32)), keys, values)
+    return pa.MapArray.from_arrays(pa.array(offsets), keys, values)
 
 
 def _enum(codes: np.ndarray, names: tuple[str, ...]) -> pa.Array:
@@ -504,23 +503,26 @@ def decode(bodies: list[bytes]) -> tuple[pa.Table, list[int]]:
     np.cumsum([len(b) for b in bodies], out=boff[1:])
     buf = np.frombuffer(b"".join(bodies), dtype=np.uint8)
     ok = np.ones(len(bodies), dtype=np.uint8)
-    cnt = np.zeros(4, dtype=np.int64)
+    cnt = np.zeros(5, dtype=np.int64)
     z2 = np.zeros((0, 1), dtype=np.int64, order="F")
-    _walk(buf, boff, False, ok, cnt, z2, np.zeros((0, 2), np.uint64, order="F"), z2, np.zeros(0, np.uint64), z2, z2)
-    n_sp, n_at, n_rs, n_sc = (int(x) for x in cnt)
+    z1 = np.zeros(0, np.uint64)
+    _walk(buf, boff, False, ok, cnt, z2, np.zeros((0, 2), np.uint64, order="F"), z2, z1, z2, z1, z2, z2)
+    n_sp, n_at, n_rs, n_sc, n_rat = (int(x) for x in cnt)
     # column-major: a column of these tables is a contiguous array for the Arrow side
     sp = np.zeros((n_sp, N_SP), dtype=np.int64, order="F")
     times = np.zeros((n_sp, 2), dtype=np.uint64, order="F")
     at = np.zeros((n_at, N_AT), dtype=np.int64, order="F")
     dbl = np.zeros(n_at, dtype=np.uint64)  # a double value's bits
+    rat = np.zeros((n_rat, N_AT), dtype=np.int64, order="F")  # resources' attributes
+    rdbl = np.zeros(n_rat, dtype=np.uint64)
     rs = np.zeros((n_rs, 2), dtype=np.int64, order="F")
     sc = np.zeros((n_sc, 4), dtype=np.int64, order="F")
     cnt[:] = 0
-    _walk(buf, boff, True, ok, cnt, sp, times, at, dbl, rs, sc)
+    _walk(buf, boff, True, ok, cnt, sp, times, at, dbl, rat, rdbl, rs, sc)
     left = np.flatnonzero(ok == 0).tolist()
     if n_sp == 0:
         return ARROW_SCHEMA.empty_table(), left
-    res_maps = _maps(buf, at, dbl, rs[:, RS_A0], rs[:, RS_AN])
+    res_maps = _maps(buf, rat, rdbl, rs[:, RS_AN])
     res_of = pa.array(sp[:, SP_RES])
     svc = pc.fill_null(pc.map_lookup(res_maps, "service.name", "first"), "")  # one per resource
     start = times[:, 0].view(np.int64)
@@ -536,7 +538,7 @@ def decode(bodies: list[bytes]) -> tuple[pa.Table, list[int]]:
         "ResourceAttributes": pc.take(res_maps, res_of),
         "ScopeName": pc.take(_text(buf, sc[:, SC_NAME], sc[:, SC_NAMEN]), pa.array(sp[:, SP_SCOPE])),
         "ScopeVersion": pc.take(_text(buf, sc[:, SC_VER], sc[:, SC_VERN]), pa.array(sp[:, SP_SCOPE])),
-        "SpanAttributes": _maps(buf, at, dbl, sp[:, SP_A0], sp[:, SP_AN]),
+        "SpanAttributes": _maps(buf, at, dbl, sp[:, SP_AN]),
         "Duration": pa.array(times[:, 1] - times[:, 0]),
         "StatusCode": _enum(sp[:, SP_CODE], STATUS_CODES),
         "StatusMessage": _text(buf, sp[:, SP_MSG], sp[:, SP_MSGN]),
