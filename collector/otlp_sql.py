@@ -1,5 +1,9 @@
 """OTLP protobuf request bodies -> one Arrow table in ``otel_traces`` layout, decoded by chDB.
 
+The flush hands this query only the bodies the compiled pass (``otlp_compiled``) leaves: span
+events or links, array, key-value-list or bytes values; and every body until that pass has
+compiled, or where numba is missing.
+
 ClickHouse's ``Protobuf`` input format reads a stream of length-delimited
 ``ExportTraceServiceRequest`` messages with the schema in ``otlp_columns.proto`` (nested
 repeated messages become arrays of tuples), and one SELECT flattens them with ARRAY JOIN and
