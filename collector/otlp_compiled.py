@@ -495,8 +495,8 @@ def _enum(codes: np.ndarray, names: tuple[str, ...]) -> pa.Array:
 
 def decode(bodies: list[bytes]) -> tuple[pa.Table, list[int]]:
     """The rows of the ``bodies`` this pass takes (``ARROW_SCHEMA``, body by body, span by span)
-    and the indices of those it leaves to ``otlp_sql.decode_bodies``. Without numba (or before
-    ``otlp_scan.warm_up`` compiled the scan, which compiles this too) every body is left."""
+    and the indices of those it leaves to ``otlp_sql.decode_bodies``. Without numba, or before
+    :func:`warm_up` has compiled the pass, every body is left."""
     if not bodies or not _ready:
         return ARROW_SCHEMA.empty_table(), list(range(len(bodies)))
     boff = np.zeros(len(bodies) + 1, dtype=np.int64)
@@ -547,7 +547,6 @@ def decode(bodies: list[bytes]) -> tuple[pa.Table, list[int]]:
     arrays = [cols[f.name].cast(f.type) if f.name in cols
               else pa.ListArray.from_arrays(zeros, pa.array([], f.type.value_type)) for f in ARROW_SCHEMA]
     return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA), left
-
 
 
 _ready = False
