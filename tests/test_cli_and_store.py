@@ -122,3 +122,37 @@ def test_collect_rejects_a_busy_spool_and_bad_listen(tmp_path, collector_factory
     r = subprocess.run([PY, "-m", "ttftscope", "collect", "--listen", "nope:port"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "invalid HOST:PORT" in r.stderr
     assert c.terminate() == 0
+
+
+def test_overlapping_parts_beyond_the_sorted_merge_size_are_streamed_whole(tmp_path, monkeypatch):
+    """Parts whose time ranges overlap (a span that started before the last flush ended) were
+    merged by reading them all at once, which at a sustained 100k spans/s held gigabytes. Past
+    SORTED_MERGE_ROWS they are streamed: every span kept once, each row group still sorted."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    from ttftscope.collector.otlp import decode
+    from ttftscope.schemas.store import embedded, open_store
+
+    from support.otlp import plugin_like_request
+
+    monkeypatch.setattr(embedded, "SORTED_MERGE_ROWS", 50)
+    st = open_store(str(tmp_path / "s"), merge_factor=4, row_group_size=16)
+    t0 = 1_790_000_000 * 10**9
+    ids = set()
+    for b in range(4):  # spans 1 µs apart from t0 + b * 0.5 µs: every part overlaps the others
+        table, _ = decode(plugin_like_request(30, seed=b, t0=t0 + b * 500), "protobuf")
+        ids |= set(table.column("SpanId").to_pylist())
+        assert st.insert_spans(table, f"tok-{b}")
+    st.maintain()
+    parts = st.manifest()["parts"]
+    assert len(parts) == 1 and parts[0]["level"] == 1 and parts[0]["rows"] == 120
+    f = pq.ParquetFile(tmp_path / "s" / "otel_traces" / f"{parts[0]['name']}.parquet")
+    stored = f.read()
+    assert sorted(stored.column("SpanId").to_pylist()) == sorted(ids), "every span once"
+    assert parts[0]["min_ts"] == pc.min(stored.column("Timestamp").cast("int64")).as_py()
+    assert parts[0]["max_ts"] == pc.max(stored.column("Timestamp").cast("int64")).as_py()
+    for g in range(f.num_row_groups):
+        ts = f.read_row_group(g).column("Timestamp").cast("int64").to_pylist()
+        assert ts == sorted(ts), "each row group sorted within itself"
+    ts = stored.column("Timestamp").cast("int64").to_pylist()
+    assert ts != sorted(ts), "streamed, not read and sorted as a whole (the case this test is about)"
