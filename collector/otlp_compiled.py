@@ -30,8 +30,8 @@ V_NONE, V_STR, V_BOOL, V_INT, V_DBL = 0, 1, 2, 3, 4
 
 # per-span integer columns
 (SP_BODY, SP_RES, SP_SCOPE, SP_TID, SP_TIDN, SP_SID, SP_SIDN, SP_PID, SP_PIDN, SP_TS, SP_TSN, SP_NAME, SP_NAMEN,
- SP_MSG, SP_MSGN, SP_KIND, SP_CODE, SP_A0, SP_AN) = range(19)
-N_SP = 19
+ SP_MSG, SP_MSGN, SP_KIND, SP_CODE, SP_AN) = range(18)
+N_SP = 18  # (a span's attributes follow the previous span's in its table: their count is enough)
 # per-attribute integer columns (span and resource attributes share one table)
 AT_KEY, AT_KEYN, AT_TYPE, AT_VAL, AT_VALN, AT_INT = range(6)
 N_AT = 6
@@ -158,7 +158,6 @@ def _span(buf, pos, end, fill, row, sp, times, a_row, at, dbl):
             sp[row, c] = 0
         times[row, 0] = 0
         times[row, 1] = 0
-        sp[row, SP_A0] = a_row
     n_attrs = 0
     seen_status = False
     while pos < end:
