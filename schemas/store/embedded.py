@@ -40,6 +40,7 @@ from .. import engine
 from ..columns import ARROW_SCHEMA, clickhouse_structure
 from ..ddl import SCHEMA_VERSION, TRACE_ID_TS, TRACES
 from ..sql import quote
+from . import parquet_concat
 from .base import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("ttftscope.store")
@@ -61,6 +62,7 @@ SORTED_MERGE_ROWS = 131_072
 #: map's. bench/ingest's 50k-span flush: Parquet writing 74 -> 50 ms, parts 20% smaller.
 _IDS = ("TraceId", "SpanId", "ParentSpanId", "Links.TraceId", "Links.SpanId")
 _PARQUET = {
+    "write_page_checksum": True,  # a merge copies pages as bytes (parquet_concat) after checking these
     "compression": "zstd",
     "compression_level": 1,
     "use_dictionary": [f.name for f in ARROW_SCHEMA if f.name not in _IDS],
@@ -353,6 +355,9 @@ class EmbeddedStore(Store):
                 continue
             try:
                 merged = self._merge_parts(parts, level + 1)
+            except parquet_concat.Damaged as e:
+                self.quarantine([e.path.stem], f"damaged, found in a merge: {e}")
+                return True
             except (OSError, pa.ArrowException) as e:
                 bad = [p["name"] for p in parts if self._part_problem(p["name"]) is not None]
                 if not bad:
@@ -398,6 +403,16 @@ class EmbeddedStore(Store):
         name = f"{lo // NS_PER_DAY}-L{level}-{uuid.uuid4().hex}"
         final, tmp = self.parts_dir / f"{name}.parquet", self.parts_dir / f".{name}.tmp"
         schema = ARROW_SCHEMA.with_metadata(self._part_meta(self._merged_meta(parts, paths)))
+        meta = {"name": name, "rows": rows, "min_ts": lo, "max_ts": hi, "day": lo // NS_PER_DAY, "level": level}
+        if all(p["rows"] >= self.row_group_size // 2 for p in parts):  # row groups worth keeping as they are
+            try:
+                parquet_concat.concat(paths, tmp, schema)
+                _publish(tmp, final)
+                return {**meta, "bytes": final.stat().st_size, "created": time.time()}
+            except parquet_concat.NotCopyable as e:  # e.g. parts written before page CRCs
+                log.debug("merging %s by reading: %s", name, e)
+            finally:
+                tmp.unlink(missing_ok=True)
         with pq.ParquetWriter(tmp, schema, bloom_filter_options={"TraceId": {"ndv": max(rows, 1), "fpp": 0.01}},
                               **_PARQUET) as w:
             for path in paths:
@@ -405,8 +420,7 @@ class EmbeddedStore(Store):
                 for batch in f.iter_batches(batch_size=self.row_group_size):
                     w.write_batch(batch.replace_schema_metadata(schema.metadata), row_group_size=self.row_group_size)
         _publish(tmp, final)
-        return {"name": name, "rows": rows, "min_ts": lo, "max_ts": hi, "day": lo // NS_PER_DAY, "level": level,
-                "bytes": final.stat().st_size, "created": time.time()}
+        return {**meta, "bytes": final.stat().st_size, "created": time.time()}
 
     def apply_retention(self, days: float) -> int:
         cutoff = time.time_ns() - int(days * NS_PER_DAY)
