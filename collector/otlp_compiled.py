@@ -2,10 +2,11 @@
 
 The flush used to hand every segment to one chDB query (``otlp_sql``): the work stays in C++,
 but the query costs ~25 ms of analysis per flush whatever its size, and reading the nested
-Protobuf and building the maps came to ~4 µs a span. Here numba walks the same bytes twice —
-count, then fill flat arrays (offsets into the bodies, numbers) — and Arrow builds the columns
-from them: strings gathered into one buffer, ids spelled as hex, attribute values as text, maps
-from offsets. No Python per span or per attribute, except one call per double attribute value
+Protobuf and building the maps came to ~4 µs a span. Here numba walks the bytes once, filling
+flat arrays (offsets into the bodies, numbers) sized by the rows per byte seen so far (a guess
+too small: count, then fill), and Arrow builds the columns from them in order of start time (the
+order a part is stored in): strings gathered into one buffer, ids spelled as hex, attribute
+values as text, maps from offsets. No Python per span or per attribute, except one call per double attribute value
 (spelled by ``otlp.format_double``, the definition).
 
 Only what the chDB query spells the same way is taken here: a body with span events or links,
@@ -365,13 +366,21 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rat, rdbl, rs, sc)
     return 0 if pos == end else 1
 
 
-def _walk(buf, boff, fill, ok, cnt, sp, times, at, dbl, rat, rdbl, rs, sc):
+def _walk(buf, boff, fill, bounded, ok, cnt, sp, times, at, dbl, rat, rdbl, rs, sc):
     """Every body ``buf[boff[b]:boff[b+1]]`` whose ``ok[b]`` is set; a body the walk cannot
-    take gets ``ok[b] = 0`` and leaves no rows (counting pass; the filling pass sees only the
-    bodies the count kept, so it cannot fail)."""
+    take gets ``ok[b] = 0`` and leaves no rows (its totals are rolled back, the rows it wrote
+    are written over). ``bounded``: the tables were sized by a guess, so before each body
+    there must be room for the most rows its bytes can hold (a row takes at least 2 bytes),
+    else ``cnt[5] = 1`` and the walk stops (the caller counts first, then fills)."""
     for b in range(boff.shape[0] - 1):
         if ok[b] == 0:
             continue
+        if bounded:
+            most = (boff[b + 1] - boff[b]) // 2 + 1
+            if (cnt[0] + most > sp.shape[0] or cnt[1] + most > at.shape[0] or cnt[2] + most > rs.shape[0]
+                    or cnt[3] + most > sc.shape[0] or cnt[4] + most > rat.shape[0]):
+                cnt[5] = 1
+                return
         keep = cnt.copy()
         if _body(buf, boff[b], boff[b + 1], fill, b, cnt, sp, times, at, dbl, rat, rdbl, rs, sc) != 0:
             ok[b] = 0
@@ -404,9 +413,9 @@ def _gather(buf, off, n, hexed):
     return offsets, data
 
 
-def _value_text(buf, at):
-    """Each attribute value as the text the store keeps (doubles left empty: spelled in Python)."""
-    k = at.shape[0]
+def _value_text(buf, at, k):
+    """The first ``k`` attributes' values as the text the store keeps (doubles left empty:
+    spelled in Python)."""
     offsets = np.empty(k + 1, dtype=np.int32)
     offsets[0] = 0
     total = 0
@@ -471,18 +480,25 @@ def _text(buf: np.ndarray, off: np.ndarray, n: np.ndarray, hexed: bool = False) 
     return _strings(*_gather(buf, off, n, hexed))
 
 
-def _maps(buf: np.ndarray, at: np.ndarray, bits: np.ndarray, an: np.ndarray) -> pa.MapArray:
-    """One string map per owner (span or resource) from its ``an`` attributes, which follow
-    each other in ``at`` in owner order."""
+def _maps(buf: np.ndarray, at: np.ndarray, bits: np.ndarray, an: np.ndarray, first: np.ndarray | None = None
+          ) -> pa.MapArray:
+    """One string map per owner (span or resource) from its ``an`` attributes. Owner ``i``'s
+    attributes are the rows of ``at`` from ``first[i]`` on (by default, owners' attributes
+    follow each other in ``at`` in owner order)."""
     offsets = np.zeros(len(an) + 1, dtype=np.int32)
     np.cumsum(an, out=offsets[1:])
-    keys = _text(buf, at[:, AT_KEY], at[:, AT_KEYN])
-    values = _strings(*_value_text(buf, at))
-    is_dbl = at[:, AT_TYPE] == V_DBL
+    k = int(offsets[-1])
+    if first is not None:  # owners in another order: their attributes' rows, gathered
+        rows = np.repeat(first - offsets[:-1], an) + np.arange(k)
+        at = np.asfortranarray(at[rows])
+        bits = bits[rows]
+    keys = _text(buf, at[:k, AT_KEY], at[:k, AT_KEYN])
+    values = _strings(*_value_text(buf, at, k))
+    is_dbl = at[:k, AT_TYPE] == V_DBL
     if is_dbl.any():
         from .otlp import format_double
 
-        spelled = [format_double(x) for x in bits[is_dbl].view(np.float64).tolist()]
+        spelled = [format_double(x) for x in bits[:k][is_dbl].view(np.float64).tolist()]
         values = pc.replace_with_mask(values, pa.array(is_dbl), pa.array(spelled, pa.string()))
     return pa.MapArray.from_arrays(pa.array(offsets), keys, values)
 
@@ -492,55 +508,87 @@ def _enum(codes: np.ndarray, names: tuple[str, ...]) -> pa.Array:
     return pc.take(pa.array(names, pa.string()), pa.array(idx))
 
 
+#: rows per byte of body seen so far (spans, span attributes, resources, scopes, resource
+#: attributes): sizes the tables for one walk; a guess too small costs a second walk
+_density = np.array([1 / 64, 1 / 16, 1 / 4096, 1 / 4096, 1 / 1024])
+
+
+def _tables(caps) -> tuple:
+    """(sp, times, at, dbl, rat, rdbl, rs, sc) for ``caps`` rows each, column-major (a column is a
+    contiguous array for the Arrow side; zero-filled pages a walk does not reach cost nothing)."""
+    n_sp, n_at, n_rs, n_sc, n_rat = (int(x) for x in caps)
+    return (np.zeros((n_sp, N_SP), dtype=np.int64, order="F"), np.zeros((n_sp, 2), dtype=np.uint64, order="F"),
+            np.zeros((n_at, N_AT), dtype=np.int64, order="F"), np.zeros(n_at, dtype=np.uint64),
+            np.zeros((n_rat, N_AT), dtype=np.int64, order="F"), np.zeros(n_rat, dtype=np.uint64),
+            np.zeros((n_rs, 2), dtype=np.int64, order="F"), np.zeros((n_sc, 4), dtype=np.int64, order="F"))
+
+
 def decode(bodies: list[bytes]) -> tuple[pa.Table, list[int]]:
-    """The rows of the ``bodies`` this pass takes (``ARROW_SCHEMA``, body by body, span by span)
+    """The rows of the ``bodies`` this pass takes (``ARROW_SCHEMA``, in order of start time)
     and the indices of those it leaves to ``otlp_sql.decode_bodies``. Without numba, or before
     :func:`warm_up` has compiled the pass, every body is left."""
+    global _density
     if not bodies or not _ready:
         return ARROW_SCHEMA.empty_table(), list(range(len(bodies)))
     boff = np.zeros(len(bodies) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in bodies], out=boff[1:])
     buf = np.frombuffer(b"".join(bodies), dtype=np.uint8)
     ok = np.ones(len(bodies), dtype=np.uint8)
-    cnt = np.zeros(5, dtype=np.int64)
-    z2 = np.zeros((0, 1), dtype=np.int64, order="F")
-    z1 = np.zeros(0, np.uint64)
-    _walk(buf, boff, False, ok, cnt, z2, np.zeros((0, 2), np.uint64, order="F"), z2, z1, z2, z1, z2, z2)
-    n_sp, n_at, n_rs, n_sc, n_rat = (int(x) for x in cnt)
-    # column-major: a column of these tables is a contiguous array for the Arrow side
-    sp = np.zeros((n_sp, N_SP), dtype=np.int64, order="F")
-    times = np.zeros((n_sp, 2), dtype=np.uint64, order="F")
-    at = np.zeros((n_at, N_AT), dtype=np.int64, order="F")
-    dbl = np.zeros(n_at, dtype=np.uint64)  # a double value's bits
-    rat = np.zeros((n_rat, N_AT), dtype=np.int64, order="F")  # resources' attributes
-    rdbl = np.zeros(n_rat, dtype=np.uint64)
-    rs = np.zeros((n_rs, 2), dtype=np.int64, order="F")
-    sc = np.zeros((n_sc, 4), dtype=np.int64, order="F")
-    cnt[:] = 0
-    _walk(buf, boff, True, ok, cnt, sp, times, at, dbl, rat, rdbl, rs, sc)
+    cnt = np.zeros(6, dtype=np.int64)
+    most = int(np.diff(boff).max()) // 2 + 1
+    tables = _tables(len(buf) * _density * 1.25 + most + 16)
+    _walk(buf, boff, True, True, ok, cnt, *tables)
+    if cnt[5]:  # more rows than the guess: count, then fill tables of the exact size
+        ok[:] = 1
+        cnt[:] = 0
+        z2 = np.zeros((0, 1), dtype=np.int64, order="F")
+        z1 = np.zeros(0, np.uint64)
+        _walk(buf, boff, False, False, ok, cnt, z2, np.zeros((0, 2), np.uint64, order="F"), z2, z1, z2, z1, z2, z2)
+        tables = _tables(cnt[:5])
+        cnt[:] = 0
+        _walk(buf, boff, True, False, ok, cnt, *tables)
+    sp, times, at, dbl, rat, rdbl, rs, sc = tables
+    n_sp, n_at, n_rs, n_sc, n_rat = (int(x) for x in cnt[:5])
+    if len(buf):
+        _density = np.maximum(_density * 0.5, cnt[:5] / len(buf))
     left = np.flatnonzero(ok == 0).tolist()
     if n_sp == 0:
         return ARROW_SCHEMA.empty_table(), left
-    res_maps = _maps(buf, rat, rdbl, rs[:, RS_AN])
-    res_of = pa.array(sp[:, SP_RES])
+    start = times[:n_sp, 0].view(np.int64)
+    order = None if n_sp < 2 or bool(np.all(start[1:] >= start[:-1])) else np.argsort(start, kind="stable")
+
+    def col(c: int) -> np.ndarray:  # a span column, in order of start time
+        return sp[:n_sp, c] if order is None else sp[:n_sp, c][order]
+
+    an = sp[:n_sp, SP_AN]
+    first_at = None
+    if order is not None:
+        first_at = (np.cumsum(an) - an)[order]
+        an = an[order]
+        start = start[order]
+        end = times[:n_sp, 1][order]
+    else:
+        end = times[:n_sp, 1]
+    res_maps = _maps(buf, rat, rdbl, rs[:n_rs, RS_AN], rs[:n_rs, RS_A0])
+    res_of = pa.array(col(SP_RES))
+    scope_of = pa.array(col(SP_SCOPE))
     svc = pc.fill_null(pc.map_lookup(res_maps, "service.name", "first"), "")  # one per resource
-    start = times[:, 0].view(np.int64)
     cols = {
         "Timestamp": pa.array(start).cast(pa.timestamp("ns")).cast(ARROW_SCHEMA.field("Timestamp").type),
-        "TraceId": _text(buf, sp[:, SP_TID], sp[:, SP_TIDN], hexed=True),
-        "SpanId": _text(buf, sp[:, SP_SID], sp[:, SP_SIDN], hexed=True),
-        "ParentSpanId": _text(buf, sp[:, SP_PID], sp[:, SP_PIDN], hexed=True),
-        "TraceState": _text(buf, sp[:, SP_TS], sp[:, SP_TSN]),
-        "SpanName": _text(buf, sp[:, SP_NAME], sp[:, SP_NAMEN]),
-        "SpanKind": _enum(sp[:, SP_KIND], SPAN_KINDS),
+        "TraceId": _text(buf, col(SP_TID), col(SP_TIDN), hexed=True),
+        "SpanId": _text(buf, col(SP_SID), col(SP_SIDN), hexed=True),
+        "ParentSpanId": _text(buf, col(SP_PID), col(SP_PIDN), hexed=True),
+        "TraceState": _text(buf, col(SP_TS), col(SP_TSN)),
+        "SpanName": _text(buf, col(SP_NAME), col(SP_NAMEN)),
+        "SpanKind": _enum(col(SP_KIND), SPAN_KINDS),
         "ServiceName": pc.take(svc, res_of),
         "ResourceAttributes": pc.take(res_maps, res_of),
-        "ScopeName": pc.take(_text(buf, sc[:, SC_NAME], sc[:, SC_NAMEN]), pa.array(sp[:, SP_SCOPE])),
-        "ScopeVersion": pc.take(_text(buf, sc[:, SC_VER], sc[:, SC_VERN]), pa.array(sp[:, SP_SCOPE])),
-        "SpanAttributes": _maps(buf, at, dbl, sp[:, SP_AN]),
-        "Duration": pa.array(times[:, 1] - times[:, 0]),
-        "StatusCode": _enum(sp[:, SP_CODE], STATUS_CODES),
-        "StatusMessage": _text(buf, sp[:, SP_MSG], sp[:, SP_MSGN]),
+        "ScopeName": pc.take(_text(buf, sc[:n_sc, SC_NAME], sc[:n_sc, SC_NAMEN]), scope_of),
+        "ScopeVersion": pc.take(_text(buf, sc[:n_sc, SC_VER], sc[:n_sc, SC_VERN]), scope_of),
+        "SpanAttributes": _maps(buf, at, dbl, an, first_at),
+        "Duration": pa.array(end - start.view(np.uint64)),
+        "StatusCode": _enum(col(SP_CODE), STATUS_CODES),
+        "StatusMessage": _text(buf, col(SP_MSG), col(SP_MSGN)),
     }
     zeros = pa.array(np.zeros(n_sp + 1, dtype=np.int32))
     arrays = [cols[f.name].cast(f.type) if f.name in cols

@@ -108,3 +108,45 @@ def test_damaged_requests_that_pass_the_check_are_decoded_as_the_reference():
         assert _rows(got) == _rows(ref)
         compared += 1
     assert compared > 200
+
+
+def _shuffled_times(seed: int, n: int) -> bytes:
+    """A plugin-like body whose spans start in random order, one resource per ten spans."""
+    rng = random.Random(seed)
+    req = trace_service_pb2.ExportTraceServiceRequest.FromString(plugin_like_request(n, seed=seed, t0=NOW - 10**9))
+    spans = list(req.resource_spans[0].scope_spans[0].spans)
+    for sp in spans:
+        d = sp.end_time_unix_nano - sp.start_time_unix_nano
+        sp.start_time_unix_nano = NOW - rng.randrange(10**9)
+        sp.end_time_unix_nano = sp.start_time_unix_nano + d
+    out = trace_service_pb2.ExportTraceServiceRequest()
+    for k in range(0, n, 10):
+        rs = out.resource_spans.add()
+        rs.resource.CopyFrom(req.resource_spans[0].resource)
+        rs.resource.attributes.add(key="part", value={"int_value": k})
+        ss = rs.scope_spans.add()
+        ss.spans.extend(spans[k:k + 10])
+    return out.SerializeToString()
+
+
+def test_rows_come_in_order_of_start_time_each_with_its_own_attributes():
+    bodies = [accept_protobuf(_shuffled_times(s, 60), now_ns=NOW).body for s in range(4)]
+    got, left = otlp_compiled.decode(bodies)
+    assert left == []
+    ts = got.column("Timestamp").cast(pa.int64()).to_pylist()
+    assert ts == sorted(ts) and len(set(ts)) > 200
+    assert _rows(got) == _rows(_reference(bodies))
+
+
+def test_more_rows_than_the_size_guess_are_counted_then_filled(monkeypatch):
+    monkeypatch.setattr(otlp_compiled, "_density", otlp_compiled._density * 0)  # the guess: nothing
+    bodies = [accept_protobuf(_shuffled_times(s, 60), now_ns=NOW).body for s in range(4)]
+    walks = []
+    real = otlp_compiled._walk
+    monkeypatch.setattr(otlp_compiled, "_walk", lambda *a: walks.append(a[3]) or real(*a))
+    got, left = otlp_compiled.decode(bodies * 3)
+    assert walks == [True, False, False], "a bounded walk that stopped, then count and fill"
+    assert left == [] and _rows(got) == _rows(_reference(bodies * 3))
+    walks.clear()
+    otlp_compiled.decode(bodies * 3)
+    assert walks == [True], "what it saw sizes the next walk"

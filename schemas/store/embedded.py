@@ -273,9 +273,12 @@ class EmbeddedStore(Store):
         return {PART_META: orjson.dumps(meta)}
 
     def _write_part(self, table: pa.Table, level: int, meta: dict | None = None) -> dict:
-        table = table.sort_by([("Timestamp", "ascending")]).replace_schema_metadata(self._part_meta(meta or {}))
-        ts = table.column("Timestamp").cast(pa.int64())
-        lo, hi = pc.min(ts).as_py(), pc.max(ts).as_py()
+        ts = table.column("Timestamp").cast(pa.int64()).to_numpy()
+        if len(ts) > 1 and not (ts[1:] >= ts[:-1]).all():  # the compiled decode gives rows in order already
+            table = table.sort_by([("Timestamp", "ascending")])
+            ts = table.column("Timestamp").cast(pa.int64()).to_numpy()
+        table = table.replace_schema_metadata(self._part_meta(meta or {}))
+        lo, hi = int(ts[0]), int(ts[-1])
         day = lo // NS_PER_DAY
         name = f"{day}-L{level}-{uuid.uuid4().hex}"
         final = self.parts_dir / f"{name}.parquet"
