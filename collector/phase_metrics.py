@@ -84,23 +84,25 @@ class PhaseMetrics:
         registry.register(self)
 
     def observe(self, table: pa.Table) -> None:
-        # a span's phase: its ttftscope.phase attribute (another instrumentation's label) or its name's
-        label_all = _lookups(table.column("SpanAttributes"), (Attr.PHASE,))[Attr.PHASE]
-        wanted = pc.or_(pc.is_in(label_all, pa.array(SPAN_PHASES)),
-                        pc.is_in(table.column("SpanName"),
-                                 pa.array([*OWN_SPAN_PHASE, SpanName.HTTP, SpanName.PROCESS_START])))
+        # a span's phase: its ttftscope.phase attribute (another instrumentation's label) or its
+        # name's. The attributes are looked up in every row and the few columns filtered after:
+        # filtering the table first copied its maps (40 % of this method's time)
+        sa = _lookups(table.column("SpanAttributes"), (Attr.PHASE, Attr.MODEL, Attr.PRIORITY, Attr.HTTP_STREAMING,
+                                                       Attr.RANK))
+        names = table.column("SpanName").combine_chunks()
+        wanted = pc.or_(pc.is_in(sa[Attr.PHASE], pa.array(SPAN_PHASES)),
+                        pc.is_in(names, pa.array([*OWN_SPAN_PHASE, SpanName.HTTP, SpanName.PROCESS_START])))
         if not pc.any(wanted).as_py():
             return
-        t = table.filter(wanted)
-        sa = _lookups(t.column("SpanAttributes"), (Attr.MODEL, Attr.PRIORITY, Attr.HTTP_STREAMING, Attr.RANK))
-        ra = _lookups(t.column("ResourceAttributes"),
+        ra = _lookups(table.column("ResourceAttributes"),
                       (ResourceAttr.MODEL, ResourceAttr.SERVICE_INSTANCE, ResourceAttr.ROLE))
-        cols = {"name": t.column("SpanName").combine_chunks(), "label": label_all.filter(wanted),
-                "own_model": sa[Attr.MODEL], "res_model": ra[ResourceAttr.MODEL], "priority": sa[Attr.PRIORITY],
-                "streaming": sa[Attr.HTTP_STREAMING], "rank": sa[Attr.RANK],
+        cols = {"name": names, "label": sa[Attr.PHASE], "own_model": sa[Attr.MODEL], "res_model": ra[ResourceAttr.MODEL],
+                "priority": sa[Attr.PRIORITY], "streaming": sa[Attr.HTTP_STREAMING], "rank": sa[Attr.RANK],
                 "instance": ra[ResourceAttr.SERVICE_INSTANCE], "role": ra[ResourceAttr.ROLE],
-                "seconds": pc.divide(t.column("Duration").cast(pa.float64()), 1e9).combine_chunks()}
-        df = pl.from_arrow(pa.table({k: v.cast(pa.string()) if k != "seconds" else v for k, v in cols.items()})).with_columns(
+                "seconds": pc.divide(table.column("Duration").cast(pa.float64()), 1e9).combine_chunks()}
+        every = pc.all(wanted).as_py()
+        df = pl.from_arrow(pa.table({k: (v if every else v.filter(wanted)).cast(pa.string()) if k != "seconds"
+                                     else (v if every else v.filter(wanted)) for k, v in cols.items()})).with_columns(
             pl.when(pl.col("own_model") != "").then(pl.col("own_model")).otherwise(pl.col("res_model")).alias("model"),
             pl.when(pl.col("label").is_in(SPAN_PHASES)).then(pl.col("label"))  # a label we know
             .otherwise(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="")).alias("phase"))
