@@ -128,7 +128,7 @@ class Pipeline:
                 if table.num_rows:
                     tables.append(table)
                 if left:
-                    tables.append(decode_bodies([bodies[i] for i in left], scratch_dir=self.spool.dir,
+                    tables.append(decode_bodies([bytes(bodies[i]) for i in left], scratch_dir=self.spool.dir,
                                                 events_links=events_links))
         return pa.concat_tables(tables) if tables else None
 
