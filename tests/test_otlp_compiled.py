@@ -7,6 +7,7 @@ pass the check — and it leaves to the chDB query exactly the bodies it must no
 from __future__ import annotations
 
 import random
+import threading
 
 import pyarrow as pa
 import pytest
@@ -140,13 +141,37 @@ def test_rows_come_in_order_of_start_time_each_with_its_own_attributes():
 
 def test_more_rows_than_the_size_guess_are_counted_then_filled(monkeypatch):
     monkeypatch.setattr(otlp_compiled, "_density", otlp_compiled._density * 0)  # the guess: nothing
+    monkeypatch.setattr(otlp_compiled, "_scratch", threading.local())  # nor tables kept from other tests
     bodies = [accept_protobuf(_shuffled_times(s, 60), now_ns=NOW).body for s in range(4)]
     walks = []
     real = otlp_compiled._walk
-    monkeypatch.setattr(otlp_compiled, "_walk", lambda *a: walks.append(a[3]) or real(*a))
+    monkeypatch.setattr(otlp_compiled, "_walk", lambda *a: walks.append(a[4]) or real(*a))
     got, left = otlp_compiled.decode(bodies * 3)
     assert walks == [True, False, False], "a bounded walk that stopped, then count and fill"
     assert left == [] and _rows(got) == _rows(_reference(bodies * 3))
     walks.clear()
     otlp_compiled.decode(bodies * 3)
     assert walks == [True], "what it saw sizes the next walk"
+
+
+def test_a_table_stays_whole_after_the_next_decode_reuses_the_tables():
+    """The walk's tables are kept and reused: no column of a returned table may lie in them."""
+    a = [plugin_like_request(200, seed=s, t0=NOW - 10**9 + s * 10**6) for s in range(3)]  # in order of start
+    b = [accept_protobuf(_shuffled_times(s, 60), now_ns=NOW).body for s in range(3)]
+    first, _ = otlp_compiled.decode(a)
+    before = _rows(first)
+    otlp_compiled.decode(b)
+    otlp_compiled.decode(b[::-1])
+    assert _rows(first) == before == _rows(_reference(a))
+
+
+def test_views_of_one_buffer_are_read_where_they_lie():
+    """A spool segment's records are views of one read of the file: the same rows as bytes."""
+    bodies = [accept_protobuf(_shuffled_times(s, 40), now_ns=NOW).body for s in range(3)]
+    buf = memoryview(b"junk" + b"".join(bodies) + b"tail")
+    views, at = [], 4
+    for body in bodies:
+        views.append(buf[at:at + len(body)])
+        at += len(body)
+    got, left = otlp_compiled.decode(views)
+    assert left == [] and _rows(got) == _rows(_reference(bodies))
