@@ -185,3 +185,68 @@ def test_bearer_token(collector_factory):
     good = {**PB, "Authorization": "Bearer s3cret"}
     assert requests.post(c.url + "/v1/traces", data=body, headers=good, timeout=10).status_code == 200
     assert c.terminate() == 0
+
+
+# ---------------------------------------------------------- the request line and headers, raw
+# The collector reads headers with its own lean parser (collector/server.py): it must read them
+# as http.server did — any case, folded lines, Expect: 100-continue, HTTP/1.0 and keep-alive —
+# and refuse what http.server refused (431).
+
+def _raw(col, data: bytes, *, until_close: bool = True) -> bytes:
+    import socket
+
+    host, port = col.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        if not until_close:
+            return s.recv(65536)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def _post_head(body: bytes, headers: str, version: str = "HTTP/1.1") -> bytes:
+    return f"POST /v1/traces {version}\r\n{headers}Content-Length: {len(body)}\r\n\r\n".encode()
+
+
+def test_headers_in_any_case_and_folded_are_read(col):
+    body = _request(2, "hdr").SerializeToString()
+    got = _raw(col, _post_head(body, "content-TYPE:application/x-protobuf\r\nConnection:  close \r\n") + body)
+    assert got.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in got
+    folded = _post_head(body, "Content-Type:\r\n application/x-protobuf\r\nConnection: close\r\n") + body
+    assert _raw(col, folded).startswith(b"HTTP/1.1 200 ")
+
+
+def test_expect_100_continue_then_the_body(col):
+    import socket
+
+    body = _request(2, "expect").SerializeToString()
+    host, port = col.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(_post_head(body, "Content-Type: application/x-protobuf\r\nExpect: 100-continue\r\n"))
+        assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+def test_http_1_0_closes_unless_kept_alive(col):
+    body = _request(2, "old").SerializeToString()
+    closed = _raw(col, _post_head(body, "Content-Type: application/x-protobuf\r\n", "HTTP/1.0") + body)
+    assert closed.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in closed
+    kept = _post_head(body, "Content-Type: application/x-protobuf\r\nConnection: keep-alive\r\n", "HTTP/1.0") + body
+    first = _raw(col, kept + kept, until_close=False)
+    assert first.startswith(b"HTTP/1.1 200 ") and b"Connection: close" not in first
+
+
+@pytest.mark.parametrize("headers", ["".join(f"X-{i}: y\r\n" for i in range(101)), "X-Long: " + "y" * 70_000 + "\r\n"])
+def test_too_many_or_too_long_headers_are_431(col, headers):
+    got = _raw(col, f"POST /v1/traces HTTP/1.1\r\n{headers}\r\n".encode())
+    assert got.startswith(b"HTTP/1.1 431 "), got[:80]
+
+
+def test_a_bad_request_line_is_refused(col):
+    # (as http.server: a line whose version is unreadable is answered as HTTP/0.9, a body alone)
+    assert b"Error code: 400" in _raw(col, b"POST /v1/traces HTTP/1.x\r\n\r\n")
+    assert b"Error code: 505" in _raw(col, b"POST /v1/traces HTTP/2.0\r\n\r\n")
+    assert _raw(col, b"POST / v1 HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
