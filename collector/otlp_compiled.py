@@ -550,6 +550,7 @@ def _one_buffer(bodies: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     base = bodies[0].obj if isinstance(bodies[0], memoryview) else None
     if base is not None and all(isinstance(b, memoryview) and b.obj is base and b.contiguous for b in bodies):
         buf = np.frombuffer(base, dtype=np.uint8)
+        buf.flags.writeable = False  # (a bytearray's: the walk is compiled for read-only bytes)
         at0 = buf.ctypes.data
         starts = np.array([np.frombuffer(b, dtype=np.uint8).ctypes.data - at0 if len(b) else 0 for b in bodies],
                           dtype=np.int64)
