@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -25,17 +24,32 @@ class _Hist:
         self.edges = np.asarray(buckets, dtype=float)
         self.data: dict[tuple, list] = {}  # labels -> [bucket counts (len+1), sum]
 
-    def observe(self, df: pl.DataFrame, value: str) -> None:
-        if df.height == 0:
+    def observe(self, labels: list[pa.Array], v: np.ndarray) -> None:
+        """Count ``v`` (seconds) into the buckets of each row's label set (``labels``: one
+        string array per label name): label sets as integer codes, one ``bincount`` for all."""
+        if len(v) == 0:
             return
-        for key, g in df.group_by(list(self.labels), maintain_order=True):
-            v = g[value].to_numpy()
-            idx = np.searchsorted(self.edges, v, side="left")  # le semantics: v <= edge
-            counts = np.bincount(idx, minlength=len(self.edges) + 1)
-            k = tuple(str(x) for x in (key if isinstance(key, tuple) else (key,)))
-            cur = self.data.setdefault(k, [np.zeros(len(self.edges) + 1, dtype=np.int64), 0.0])
-            cur[0] += counts
-            cur[1] += float(v.sum())
+        key = np.zeros(len(v), dtype=np.int64)
+        dicts = []
+        for a in labels:  # mixed-radix code of the row's label values
+            enc = a.dictionary_encode()
+            dicts.append(enc.dictionary.to_pylist())
+            key = key * len(dicts[-1]) + enc.indices.to_numpy(zero_copy_only=False)
+        groups, inv = np.unique(key, return_inverse=True)
+        nb = len(self.edges) + 1
+        idx = np.searchsorted(self.edges, v, side="left")  # le semantics: v <= edge
+        counts = np.bincount(inv * nb + idx, minlength=len(groups) * nb).reshape(len(groups), nb)
+        order = np.argsort(inv, kind="stable")  # each group's values in row order, for their sum
+        bounds = np.searchsorted(inv[order], np.arange(len(groups) + 1))
+        vs = v[order]
+        for g, code in enumerate(groups.tolist()):
+            k = []
+            for d in reversed(dicts):
+                code, i = divmod(code, len(d))
+                k.append(str(d[i]))
+            cur = self.data.setdefault(tuple(reversed(k)), [np.zeros(nb, dtype=np.int64), 0.0])
+            cur[0] += counts[g]
+            cur[1] += float(vs[bounds[g]:bounds[g + 1]].sum())
 
     def collect(self):
         m = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
@@ -96,27 +110,37 @@ class PhaseMetrics:
             return
         ra = _lookups(table.column("ResourceAttributes"),
                       (ResourceAttr.MODEL, ResourceAttr.SERVICE_INSTANCE, ResourceAttr.ROLE))
-        cols = {"name": names, "label": sa[Attr.PHASE], "own_model": sa[Attr.MODEL], "res_model": ra[ResourceAttr.MODEL],
-                "priority": sa[Attr.PRIORITY], "streaming": sa[Attr.HTTP_STREAMING], "rank": sa[Attr.RANK],
-                "instance": ra[ResourceAttr.SERVICE_INSTANCE], "role": ra[ResourceAttr.ROLE],
-                "seconds": pc.divide(table.column("Duration").cast(pa.float64()), 1e9).combine_chunks()}
         every = pc.all(wanted).as_py()
-        df = pl.from_arrow(pa.table({k: (v if every else v.filter(wanted)).cast(pa.string()) if k != "seconds"
-                                     else (v if every else v.filter(wanted)) for k, v in cols.items()})).with_columns(
-            pl.when(pl.col("own_model") != "").then(pl.col("own_model")).otherwise(pl.col("res_model")).alias("model"),
-            pl.when(pl.col("label").is_in(SPAN_PHASES)).then(pl.col("label"))  # a label we know
-            .otherwise(pl.col("name").replace_strict(OWN_SPAN_PHASE, default="")).alias("phase"))
 
-        def only(name: str) -> pl.DataFrame:
-            return df.filter(pl.col("name") == name)
+        def rows(a):  # the wanted rows of an array
+            return a if every else a.filter(wanted)
+
+        name, label = rows(names), rows(sa[Attr.PHASE])
+        own_model, res_model = rows(sa[Attr.MODEL]), rows(ra[ResourceAttr.MODEL])
+        model = pc.if_else(pc.not_equal(own_model, ""), own_model, res_model)
+        own = pc.index_in(name, value_set=pa.array(list(OWN_SPAN_PHASE), pa.string()))
+        by_name = pc.take(pa.array([*OWN_SPAN_PHASE.values(), ""], pa.string()),
+                          pc.fill_null(own, len(OWN_SPAN_PHASE)))
+        phase = pc.if_else(pc.is_in(label, pa.array(SPAN_PHASES)), label, by_name)  # a label we know, or the name's
+        seconds = rows(pc.divide(table.column("Duration").cast(pa.float64()), 1e9).combine_chunks())
+        sec = seconds.to_numpy(zero_copy_only=False)
+        priority, streaming, rank = rows(sa[Attr.PRIORITY]), rows(sa[Attr.HTTP_STREAMING]), rows(sa[Attr.RANK])
+
+        def only(mask) -> tuple[pa.Array, np.ndarray]:
+            m = mask.to_numpy(zero_copy_only=False)
+            return pa.array(m), sec[m]
 
         with self._lock:
-            self.phase.observe(df.filter((pl.col("phase") != "") & (pl.col("name") != SpanName.ALLREDUCE_CALL)),
-                               "seconds")
-            self.ttft.observe(only(SpanName.HTTP), "seconds")
-            self.allreduce.observe(only(SpanName.ALLREDUCE), "seconds")
-            for r in only(SpanName.PROCESS_START).iter_rows(named=True):  # a few per start
-                self.cold[(r["instance"], r["role"])] = r["seconds"]
+            m, v = only(pc.and_(pc.not_equal(phase, ""), pc.not_equal(name, SpanName.ALLREDUCE_CALL)))
+            self.phase.observe([phase.filter(m), model.filter(m), priority.filter(m)], v)
+            m, v = only(pc.equal(name, SpanName.HTTP))
+            self.ttft.observe([model.filter(m), priority.filter(m), streaming.filter(m)], v)
+            m, v = only(pc.equal(name, SpanName.ALLREDUCE))
+            self.allreduce.observe([rank.filter(m)], v)
+            m, v = only(pc.equal(name, SpanName.PROCESS_START))
+            for inst, role, s in zip(rows(ra[ResourceAttr.SERVICE_INSTANCE]).filter(m).to_pylist(),
+                                     rows(ra[ResourceAttr.ROLE]).filter(m).to_pylist(), v.tolist(), strict=True):
+                self.cold[(inst, role)] = s  # a few per start
 
     def collect(self):
         with self._lock:
