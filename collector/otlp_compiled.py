@@ -26,7 +26,7 @@ from ttftscope.schemas.columns import ARROW_SCHEMA
 from ttftscope.schemas.vocabulary import SPAN_KINDS, STATUS_CODES
 
 from . import otlp_scan
-from .otlp_scan import _fixed64, _jit, _skip, _varint
+from .otlp_wire import _fixed64, _jit, _skip, _tag, _varint
 
 # value types of an attribute (AnyValue's oneof field numbers; 0: none set)
 V_NONE, V_STR, V_BOOL, V_INT, V_DBL = 0, 1, 2, 3, 4
@@ -64,11 +64,9 @@ def _attr(buf, pos, end, fill, row, at, dbl):
         dbl[row] = 0
     seen_value = False
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        f, w, pos = _tag(buf, pos, end)
         if pos < 0:
             return 1
-        f = tag >> np.uint64(3)
-        w = np.int64(tag & np.uint64(7))
         if f == 1 and w == 2:  # key
             n, pos = _varint(buf, pos, end)
             if pos < 0 or n > np.uint64(end - pos):
@@ -86,11 +84,9 @@ def _attr(buf, pos, end, fill, row, at, dbl):
                 return 1
             vend = pos + np.int64(n)
             while pos < vend:
-                t2, pos = _varint(buf, pos, vend)
+                f2, w2, pos = _tag(buf, pos, vend)
                 if pos < 0:
                     return 1
-                f2 = t2 >> np.uint64(3)
-                w2 = np.int64(t2 & np.uint64(7))
                 if f2 == 1 and w2 == 2:
                     m, pos = _varint(buf, pos, vend)
                     if pos < 0 or m > np.uint64(vend - pos):
@@ -133,11 +129,9 @@ def _attrs_of(buf, pos, end, field, fill, a_row, at, dbl):
     """The KeyValues under ``field`` of the message in ``buf[pos:end]``: (count, 0/1 as _attr)."""
     n_attrs = 0
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        f, w, pos = _tag(buf, pos, end)
         if pos < 0:
             return n_attrs, 1
-        f = tag >> np.uint64(3)
-        w = np.int64(tag & np.uint64(7))
         if f == field and w == 2:
             n, pos = _varint(buf, pos, end)
             if pos < 0 or n > np.uint64(end - pos):
@@ -164,11 +158,9 @@ def _span(buf, pos, end, fill, row, sp, times, a_row, at, dbl):
     n_attrs = 0
     seen_status = False
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        f, w, pos = _tag(buf, pos, end)
         if pos < 0:
             return n_attrs, 1
-        f = tag >> np.uint64(3)
-        w = np.int64(tag & np.uint64(7))
         if w == 2 and (f == 1 or f == 2 or f == 3 or f == 4 or f == 5):
             n, pos = _varint(buf, pos, end)
             if pos < 0 or n > np.uint64(end - pos):
@@ -198,11 +190,9 @@ def _span(buf, pos, end, fill, row, sp, times, a_row, at, dbl):
                 return n_attrs, 1
             send = pos + np.int64(n)
             while pos < send:
-                t2, pos = _varint(buf, pos, send)
+                f2, w2, pos = _tag(buf, pos, send)
                 if pos < 0:
                     return n_attrs, 1
-                f2 = t2 >> np.uint64(3)
-                w2 = np.int64(t2 & np.uint64(7))
                 if f2 == 2 and w2 == 2:
                     m, pos = _varint(buf, pos, send)
                     if pos < 0 or m > np.uint64(send - pos):
@@ -249,11 +239,9 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rat, rdbl, rs, sc)
     resources, scopes, resource attributes: ``at``/``dbl`` and ``rat``/``rdbl``). 0 ok, 1 take the body elsewhere (the totals are then rolled back by
     the caller)."""
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        f, w, pos = _tag(buf, pos, end)
         if pos < 0:
             return 1
-        f = tag >> np.uint64(3)
-        w = np.int64(tag & np.uint64(7))
         if not (f == 1 and w == 2):
             pos = _skip(buf, pos, end, w)
             if pos < 0:
@@ -270,11 +258,9 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rat, rdbl, rs, sc)
             rs[res, RS_AN] = 0
         seen_resource = False
         while pos < rend:
-            t2, pos = _varint(buf, pos, rend)
+            f2, w2, pos = _tag(buf, pos, rend)
             if pos < 0:
                 return 1
-            f2 = t2 >> np.uint64(3)
-            w2 = np.int64(t2 & np.uint64(7))
             if f2 == 1 and w2 == 2:  # the Resource
                 if seen_resource:
                     return 1
@@ -303,11 +289,9 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rat, rdbl, rs, sc)
                         sc[scope, c] = 0
                 seen_scope = False
                 while pos < send:
-                    t3, pos = _varint(buf, pos, send)
+                    f3, w3, pos = _tag(buf, pos, send)
                     if pos < 0:
                         return 1
-                    f3 = t3 >> np.uint64(3)
-                    w3 = np.int64(t3 & np.uint64(7))
                     if f3 == 1 and w3 == 2:  # the InstrumentationScope
                         if seen_scope:
                             return 1
@@ -317,11 +301,9 @@ def _body(buf, pos, end, fill, body, cnt, sp, times, at, dbl, rat, rdbl, rs, sc)
                             return 1
                         qend = pos + np.int64(q)
                         while pos < qend:
-                            t4, pos = _varint(buf, pos, qend)
+                            f4, w4, pos = _tag(buf, pos, qend)
                             if pos < 0:
                                 return 1
-                            f4 = t4 >> np.uint64(3)
-                            w4 = np.int64(t4 & np.uint64(7))
                             if (f4 == 1 or f4 == 2) and w4 == 2:
                                 r, pos = _varint(buf, pos, qend)
                                 if pos < 0 or r > np.uint64(qend - pos):

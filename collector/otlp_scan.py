@@ -21,67 +21,13 @@ import logging
 
 import numpy as np
 
+from .otlp_wire import _all_zero, _fixed64, _jit, _skip, _tag, _varint
+
 log = logging.getLogger("ttftscope.collector")
 
 #: columns of the per-span table
 SCOPE, TID_LEN, TID_ZERO, SID_LEN, SID_ZERO, PARENT_LEN, N_ATTRS, N_EVENTS_LINKS, SIZE = range(9)
 N_COLS = 9
-
-try:  # numba ships with vLLM; the collector works without it (every span checked in Python)
-    import numba
-
-    _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-except Exception:  # noqa: BLE001 - any import failure means: no compiled scan
-    numba = None
-    _jit = None
-
-
-def _varint(buf, pos, end):
-    """(value, next position); next position -1 when the varint runs past ``end`` or is too long."""
-    result = np.uint64(0)
-    shift = np.uint64(0)
-    while pos < end:
-        b = np.uint64(buf[pos])
-        pos += 1
-        result |= (b & np.uint64(0x7F)) << shift
-        if b < np.uint64(0x80):
-            return result, pos
-        shift += np.uint64(7)
-        if shift >= np.uint64(64):
-            return result, -1
-    return result, -1
-
-
-def _skip(buf, pos, end, wire):
-    """The position after a field's payload of wire type ``wire``; -1 when it cannot be skipped."""
-    if wire == 0:
-        _, pos = _varint(buf, pos, end)
-        return pos
-    if wire == 1:
-        return pos + 8 if pos + 8 <= end else -1
-    if wire == 5:
-        return pos + 4 if pos + 4 <= end else -1
-    if wire == 2:
-        n, pos = _varint(buf, pos, end)
-        if pos < 0 or n > np.uint64(end - pos):
-            return -1
-        return pos + np.int64(n)
-    return -1  # groups (3, 4), reserved wire types: not in OTLP; the caller falls back
-
-
-def _fixed64(buf, pos):
-    v = np.uint64(0)
-    for i in range(8):
-        v |= np.uint64(buf[pos + i]) << np.uint64(8 * i)
-    return v
-
-
-def _all_zero(buf, lo, hi):
-    for i in range(lo, hi):
-        if buf[i] != 0:
-            return False
-    return True
-
 
 def _span(buf, pos, end, row, ints, times):
     """One Span message in ``buf[pos:end]`` into ``ints[row]`` / ``times[row]``; False when it
@@ -92,11 +38,9 @@ def _span(buf, pos, end, row, ints, times):
     times[row, 1] = 0
     ints[row, SIZE] = end - pos
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        fnum, wire, pos = _tag(buf, pos, end)
         if pos < 0:
             return False
-        fnum = tag >> np.uint64(3)
-        wire = np.int64(tag & np.uint64(7))
         if wire == 2 and (fnum == 1 or fnum == 2 or fnum == 4 or fnum == 9 or fnum == 11 or fnum == 13):
             n, pos = _varint(buf, pos, end)
             if pos < 0 or n > np.uint64(end - pos):
@@ -130,11 +74,9 @@ def _span(buf, pos, end, row, ints, times):
 def _scope(buf, pos, end, scope, row, ints, times):
     """The spans of one ScopeSpans message; the next row, or -1."""
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        fnum, wire, pos = _tag(buf, pos, end)
         if pos < 0:
             return -1
-        fnum = tag >> np.uint64(3)
-        wire = np.int64(tag & np.uint64(7))
         if fnum == 2 and wire == 2:
             n, pos = _varint(buf, pos, end)
             if pos < 0 or n > np.uint64(end - pos) or row >= ints.shape[0]:
@@ -162,11 +104,9 @@ def _scan(buf, ints, times, scopes):
     n_rs = 0
     n_scopes = 0
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        fnum, wire, pos = _tag(buf, pos, end)
         if pos < 0:
             return -1
-        fnum = tag >> np.uint64(3)
-        wire = np.int64(tag & np.uint64(7))
         if fnum == 1 and wire == 2:  # a ResourceSpans
             n, pos = _varint(buf, pos, end)
             if pos < 0 or n > np.uint64(end - pos):
@@ -174,11 +114,9 @@ def _scan(buf, ints, times, scopes):
             rs_end = pos + np.int64(n)
             j = 0
             while pos < rs_end:
-                t2, pos = _varint(buf, pos, rs_end)
+                f2, w2, pos = _tag(buf, pos, rs_end)
                 if pos < 0:
                     return -1
-                f2 = t2 >> np.uint64(3)
-                w2 = np.int64(t2 & np.uint64(7))
                 if f2 == 2 and w2 == 2:  # a ScopeSpans
                     m, pos = _varint(buf, pos, rs_end)
                     if pos < 0 or m > np.uint64(rs_end - pos) or n_scopes >= scopes.shape[0]:
@@ -207,7 +145,6 @@ def _scan(buf, ints, times, scopes):
 
 
 if _jit is not None:
-    _varint, _skip, _fixed64, _all_zero = _jit(_varint), _jit(_skip), _jit(_fixed64), _jit(_all_zero)
     _span = _jit(_span)
     _scope = _jit(_scope)
     _scan = _jit(_scan)
