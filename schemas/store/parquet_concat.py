@@ -210,8 +210,10 @@ _META_OFFSETS = (9, 10, 11, 14)
 
 def _footer(path: Path, data: bytes) -> tuple[list, int]:
     """(FileMetaData fields, where the footer starts)."""
+    if len(data) >= 12 and data[-4:] == b"PARE":  # encrypted footer files begin and end with it
+        raise NotCopyable(f"{path.name}: encrypted footer")
     if len(data) < 12 or data[:4] != MAGIC or data[-4:] != MAGIC:
-        raise Damaged(path, "not a Parquet file (magic)" if data[-4:] != b"PARE" else "encrypted footer")
+        raise Damaged(path, "not a Parquet file (magic)")
     n = struct.unpack("<I", data[-8:-4])[0]
     start = len(data) - 8 - n
     if start < 4:
@@ -234,6 +236,8 @@ def _check_pages(path: Path, data: bytes, fmd: list, end: int) -> None:
             if _get(cc, 1) is not None or _get(cc, 8) is not None or _get(cc, 9) is not None:
                 raise NotCopyable(f"{path.name}: a column chunk in another file or encrypted")
             md = _get(cc, 3)
+            if md is None:
+                raise NotCopyable(f"{path.name}: a column chunk without its metadata")
             dict_at = _get(md, 11)
             pos = dict_at if dict_at else _get(md, 9)
             stop = pos + _get(md, 7)
