@@ -2,7 +2,8 @@
 
 Statuses follow the OTLP/HTTP specification: 200 (with partial success when spans were
 rejected), 400 malformed, 401 bad token, 413 too large, 415 wrong content type or
-encoding, 429/503 with ``Retry-After`` when the queue is full or the store is down.
+encoding, 431 past 100 headers or a 64 KiB header line, 429/503 with ``Retry-After`` when the
+queue is full or the store is down.
 """
 
 from __future__ import annotations
