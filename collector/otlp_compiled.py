@@ -6,8 +6,8 @@ Protobuf and building the maps came to ~4 µs a span. Here numba walks the bytes
 flat arrays (offsets into the bodies, numbers) sized by the rows per byte seen so far (a guess
 too small: count, then fill), and Arrow builds the columns from them in order of start time (the
 order a part is stored in): strings gathered into one buffer, ids spelled as hex, attribute
-values as text, maps from offsets. No Python per span or per attribute, except one call per double attribute value
-(spelled by ``otlp.format_double``, the definition).
+values as text, maps from offsets. No Python per span or per attribute, except one call per
+double attribute value (spelled by ``otlp.format_double``, the definition).
 
 Only what the chDB query spells the same way is taken here: a body with span events or links,
 an array, key-value-list or bytes attribute value, a message field given twice (protobuf merges

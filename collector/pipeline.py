@@ -87,7 +87,8 @@ class Pipeline:
     def submit_otlp(self, body: bytes, rows: int, events_links: bool = True) -> None:
         """Make a checked OTLP protobuf body (``otlp.accept_protobuf``) of ``rows`` spans
         durable in the spool, or raise :class:`Backpressure`. It is decoded at flush time,
-        with every other body of its segment, in one chDB query."""
+        with every other body of its segment: the compiled pass (``otlp_compiled``), and one
+        chDB query for the bodies it leaves."""
         self._append(body, rows, OTLP_EVENTS_LINKS if events_links else OTLP)
 
     def _append(self, payload: bytes, rows: int, kind: bytes) -> None:
