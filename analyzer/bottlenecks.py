@@ -14,7 +14,7 @@ from ttftscope.schemas.phases import DOMINANCE, LABELS
 from ttftscope.schemas.vocabulary import PREFIX_BLOCK, Attr, SpanName
 
 from .compare import compare_frames, significant_shifts
-from .decompose import tail_attribution
+from .decompose import step_collectives_sql, tail_attribution
 from .findings import Context, Finding, detector
 from .findings import finding as _finding
 from .gaps import bubble_delays
@@ -157,14 +157,10 @@ def tokenizer_long_prompts(ctx: Context, boundary: int = 32_768, min_long: int =
 
 @detector("allreduce_concurrency")
 def allreduce_concurrency(ctx: Context, min_steps: int = 50) -> list[Finding]:
-    """Allreduce time per step vs concurrency: relative growth per +10 concurrent requests."""
+    """Allreduce time per step (``step_collectives_sql``) vs concurrency: relative growth per +10
+    concurrent requests."""
     store, window = ctx.store, ctx.window
-    s = store.query(f"""
-        SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, SpanAttributes['{Attr.STEP}'] AS step,
-               max(toInt64(Duration)) AS ar, max(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}'])) AS running,
-               any(TraceId) AS trace_id
-        FROM otel_traces WHERE SpanName = '{SpanName.ALLREDUCE}' AND {Window.time_filter()}
-        GROUP BY engine, step""", window.params())
+    s = store.query(step_collectives_sql(Window.time_filter()), window.params()).rename({"ar_ns": "ar"})
     if s.height < min_steps or s["running"].max() - s["running"].min() < 10:
         return []
     x, y = s["running"].to_numpy().astype(float), s["ar"].to_numpy().astype(float)

@@ -13,8 +13,8 @@ covering it (the registry's sweep priority, ``schemas/phases.py``: prefill > loa
 deliver > queue > intake > receive) and what no
 span covers is ``gap``, itself classified by its neighbours (host-side gap before the engine
 has the request, wait between prefill chunks, scheduling wait, delivery wait, other).
-Allreduce time is the part of each prefill chunk spent in its step's collectives (slowest
-rank), carved out of prefill. All sums are integer nanoseconds, so the phases add up to
+Allreduce time is the part of each prefill chunk spent in its step's collectives (the least
+any rank spent in them: see ``step_collectives_sql``), carved out of prefill. All sums are integer nanoseconds, so the phases add up to
 ``ttft`` exactly. ``intake_ipc`` is the part of ``intake`` before the engine core's input
 thread had the request (IPC and decoding; the rest is the engine core's preprocessing and the
 wait for its loop), not a phase of its own.
@@ -87,12 +87,7 @@ WITH
     WHERE SpanName = {_q(SpanName.HTTP)} AND {Window.time_filter(60, 600)} AND TraceId IN (SELECT TraceId FROM reqs)
     GROUP BY TraceId
   ),
-  ar AS (
-    SELECT {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, max(toInt64(Duration)) AS ar_ns
-    FROM otel_traces
-    WHERE SpanName = {_q(SpanName.ALLREDUCE)} AND {Window.time_filter(60, 600)}
-    GROUP BY engine, step
-  ),
+  ar AS ({step_collectives_sql(Window.time_filter(60, 600))}),
   spans AS (
     SELECT s.TraceId AS TraceId,
            groupArray((s.prio, s.st, s.en)) AS iv,
@@ -158,6 +153,25 @@ FROM (
 WHERE ttft > 0
 )
 """
+
+
+def step_collectives_sql(where: str) -> str:
+    """Per (engine, step): ``ar_ns``, the time the step spent in its tensor-parallel collectives,
+    taken as the least any rank spent in them. A rank that reaches a collective early waits
+    there for the last one; that wait is the last rank's compute (skew: CPU contention, uneven
+    work), not communication, and faster collectives would not give it back. The last rank's
+    time is the collectives' own (the transfer, and whatever slows every rank alike). Per rank
+    first the longest of its spans (the hook's and a profiler window's may both cover a step).
+    Also ``running`` (the most requests running that any span saw) and one ``trace_id``."""
+    a = lambda k: f"SpanAttributes[{_q(k)}]"  # noqa: E731
+    return f"""
+    SELECT engine, step, min(r_ns) AS ar_ns, max(r_running) AS running, any(r_trace) AS trace_id
+    FROM (SELECT {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, {a(Attr.RANK)} AS rank,
+                 max(toInt64(Duration)) AS r_ns, max(toUInt32OrZero({a(Attr.RUNNING)})) AS r_running,
+                 any(TraceId) AS r_trace
+          FROM otel_traces WHERE SpanName = {_q(SpanName.ALLREDUCE)} AND {where}
+          GROUP BY engine, step, rank)
+    GROUP BY engine, step"""
 
 
 def decompose(store, window: Window) -> pl.DataFrame:

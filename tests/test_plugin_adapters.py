@@ -85,6 +85,27 @@ def test_profiled_windows_know_collective_kernels_by_name(name, collective):
     assert _is_collective(name) is collective
 
 
+def test_a_gloo_collective_is_one_call_from_its_op_to_its_work():
+    """Where vLLM falls back to torch.distributed's gloo (seen on a 2-core VM: its ranks disagreed
+    on the SHM group's name), a profiled window holds each call twice, the ``c10d`` op and gloo's
+    record of the work it queued (on gloo's thread, ending after the op returned). Recorded here
+    from a real TP=2 window on that path (rank 0, µs): five calls, each ending when its work does."""
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.vllm_plugin.worker import _with_backend_work
+
+    ev = lambda name, a, b: NS(name=name, time_range=NS(start=a, end=b))  # noqa: E731
+    recorded = [(0, 450, 277, 989), (3178, 3500, 3380, 4120), (5418, 5884, 5500, 5871), (7916, 8151, 8002, 8391),
+                (9230, 9636, 9309, 11332)]  # (op start, op end, work start, work end); the third work ends first
+    calls = [e for a, b, c, d in recorded for e in (ev("c10d::allreduce_", a, b), ev("gloo:all_reduce", c, d))]
+    got = _with_backend_work(calls[::-1])  # any order
+    assert [(t0, t1) for _, (t0, t1) in got] == [(a, max(b, d)) for a, b, _, d in recorded]
+    assert {e.name for e, _ in got} == {"c10d::allreduce_"}
+    # without gloo (vLLM's SHM all-reduce, NCCL) every call stands alone
+    alone = [ev("_C::shm_allreduce", 10 * i, 10 * i + 4) for i in range(3)]
+    assert [t for _, t in _with_backend_work(alone)] == [(0, 4), (10, 14), (20, 24)]
+
+
 def test_config_honours_the_standard_otel_variables():
     c = PluginConfig.from_env({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
                                "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_MAX_QUEUE_SIZE": "1000",

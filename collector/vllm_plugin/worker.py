@@ -255,6 +255,30 @@ def _is_collective(name: str) -> bool:
     return any(c in n for c in COLLECTIVE_NAMES)
 
 
+#: the name prefix of a process-group backend's own record of a collective's work (gloo runs it
+#: on its thread, after the ``c10d::allreduce_`` op that queued it has returned)
+BACKEND_WORK = ("gloo:",)
+
+
+def _with_backend_work(calls: list) -> list[tuple[object, tuple[float, float]]]:
+    """Each collective call with its (start, end) in profiler µs. Where vLLM falls back from its
+    shared-memory all-reduce to torch.distributed's gloo (as when its ranks disagree on the SHM
+    group's name), the profiler records the ``c10d`` op and, on gloo's thread, the work it
+    queued: one call, not two. The work belongs to the op before it, and the call ends when the
+    work does (the caller waits for it)."""
+    ops = sorted((e for e in calls if not e.name.startswith(BACKEND_WORK)), key=lambda e: e.time_range.start)
+    work = sorted((e for e in calls if e.name.startswith(BACKEND_WORK)), key=lambda e: e.time_range.start)
+    if not ops:  # only the backend's records: each is a call
+        return [(w, (w.time_range.start, w.time_range.end)) for w in work]
+    out = [[op, op.time_range.start, op.time_range.end] for op in ops]
+    i = 0
+    for w in work:
+        while i + 1 < len(out) and out[i + 1][1] <= w.time_range.start:
+            i += 1
+        out[i][2] = max(out[i][2], w.time_range.end)
+    return [(op, (t0, t1)) for op, t0, t1 in out]
+
+
 @guard("profiled_collectives")
 def _emit_profiled_collectives(prof, wall0: float, step, rank, tp, engine: str, hooked: bool) -> None:
     evts = prof.events()
@@ -274,11 +298,12 @@ def _emit_profiled_collectives(prof, wall0: float, step, rank, tp, engine: str, 
                 p = p.cpu_parent
             return False
         calls = [e for e in found if not nested(e)]
+    spans = _with_backend_work(calls)
     step = step if step is not None else -1
     total, first = 0.0, None
-    for e in calls:
-        start = wall0 + (e.time_range.start - t_first) / 1e6
-        dur = (e.time_range.end - e.time_range.start) / 1e6
+    for e, (t0, t1) in spans:
+        start = wall0 + (t0 - t_first) / 1e6
+        dur = (t1 - t0) / 1e6
         total += dur
         first = start if first is None else min(first, start)
         span(SpanName.ALLREDUCE_CALL, start, start + dur, {

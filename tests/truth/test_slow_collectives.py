@@ -6,8 +6,9 @@ test-only plugin (tests/planted) that makes every all-reduce on both ranks
 ``PLANTED_ALLREDUCE_MS`` longer while a flag file exists: a slow interconnect. The same
 requests (streaming, one at a time) run first clean, then with the flag set; what the slow
 collectives cost is the client's own stopwatch, TTFT p50 slowed minus clean, same server. The
-report on the slowed part must name the collectives as its top finding with an impact at p50
-within 15% of that cost (issue 12), and the report on the clean part must not name them above low.
+report on the slowed part must name the collectives as its top finding, its impact at p50 (the
+collectives taken away) must exceed the same counterfactual on the clean part by that cost within
+15% (issue 12), and the report on the clean part must not name them above low.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ def test_slow_collectives_are_named_with_their_size(tp2):
     rep = report("slowed")
     top = rep["findings"][0]
     assert top["kind"] == "allreduce_dominates", [(f["kind"], f.get("impact_ms")) for f in rep["findings"]]
+    # the finding's counterfactual takes the collectives away whole: on the slowed part that is
+    # the planted slowness plus what the collectives cost clean (two ranks on two shared cores:
+    # 3-15 ms per prefill here, more on a slower machine), so the planted cause is the
+    # difference between the two parts' impacts, and that must be what the client lost
     on_timed, _ = impact_ms(slowed, REMOVED["allreduce_dominates"](top))
-    assert abs(on_timed["p50"] - effect) <= 0.15 * effect, (on_timed, effect)
+    on_clean, _ = impact_ms(clean, REMOVED["allreduce_dominates"](top))
+    print(f"the finding's impact at p50: slowed {on_timed['p50']:.1f} ms, clean {on_clean['p50']:.1f} ms")
+    assert abs(on_timed["p50"] - on_clean["p50"] - effect) <= 0.15 * effect, (on_timed, on_clean, effect)
     quiet = {f["kind"]: f["severity"] for f in report("clean")["findings"]}
     assert quiet.get("allreduce_dominates") in (None, "low"), quiet
