@@ -87,7 +87,7 @@ REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     # the engine loop's idle time inside each request's wait for its first token (gaps.bubble_delays)
     "scheduling_bubbles": lambda f: pl.col("bubble_ns").fill_null(0),
     "prefix_cache_misses": lambda f: _hit_saves(f),
-    "engine_host_overhead": lambda f: _engine_time() * _host_excess(f["size"]),
+    "engine_host_overhead": lambda f: _engine_time() * _host_excess(f["evidence"]),
 }
 
 
@@ -117,13 +117,15 @@ def _engine_time() -> pl.Expr:
             + pl.col("deliver_generation"))
 
 
-def _host_excess(share: float) -> float:
-    """Of every step, the part that goes if the engine core's Python share came down to the
-    healthy share (``engine_host.MIN_SHARE``) with the same model time: a step of host share
-    ``s`` shrinks by ``(s - s0) / (1 - s0)``."""
-    from .engine_host import MIN_SHARE
+def _host_excess(evidence: dict) -> float:
+    """Of every step, the part that goes if the engine core's Python per step (schedule +
+    output processing) came down to a healthy one (``engine_host.HEALTHY_HOST_MS``), the model
+    time unchanged: a step of host ``h`` and model ``m`` ms shrinks by ``(h - h0) / (h + m)``."""
+    from .engine_host import HEALTHY_HOST_MS
 
-    return max(share - MIN_SHARE, 0.0) / (1.0 - MIN_SHARE)
+    host = evidence["schedule_ms_per_step"] + evidence["update_ms_per_step"]
+    step = host + evidence["execute_ms_per_step"]
+    return max(host - HEALTHY_HOST_MS, 0.0) / step if step > 0 else 0.0
 
 
 def impact_ms(df: pl.DataFrame, removed: pl.Expr) -> tuple[dict[str, float], int]:

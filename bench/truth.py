@@ -9,11 +9,12 @@ test-only vLLM plugin in tests/planted, or a flag, each against a baseline in th
   stall    the API server's event loop blocked 25 ms after every output batch, for one of two
            twin requests (deliver_dominates)
   slowtok  the tokenizer 1 ms slower per prompt token, for one of two twins (tokenize_dominates)
+  hostbase the host part's load with no fault: its baseline
   host     the engine core 10 ms longer in update_from_output every step, a whole part, against
-           the slowtok part's clean twins (engine_host_overhead)
+           hostbase just before it (engine_host_overhead)
   prefix   long-prefix prompts each sent as a prefix-cache hit and twice salted (misses), the
            misses against the hits (prefix_cache_misses)
-  bubbles  bursts that queue, the engine loop pausing 10 ms after every step in every other
+  bubbles  bursts that queue, the engine loop pausing 50 ms after every step in every other
            burst, against the clean bursts (scheduling_bubbles)
   a server each:
   nocache  --no-enable-prefix-caching under shared-prefix traffic (prefix_cache_misses; top-1

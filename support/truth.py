@@ -89,8 +89,8 @@ def _warm(srv: VllmServer) -> None:
 
 
 def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = True,
-          max_tokens: int = 4) -> list[dict]:
-    """24 requests one at a time (streaming and not, completions and chat, 40–120-word prompts,
+          max_tokens: int = 4, n: int = 24) -> list[dict]:
+    """``n`` requests one at a time (streaming and not, completions and chat, 40–120-word prompts,
     the same every time; ``tag``, a one-token word, in front of each (after the shared prefix):
     prompts of the same length that the prefix cache has not seen in another part), ``max_tokens``
     each (1: a stream's first chunk ends it, so no wait for a token with text, whose length
@@ -99,7 +99,7 @@ def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = Tru
         srv.stream("warm up the stream", 2)
         _warm(srv)
     out = []
-    for i in range(24):
+    for i in range(n):
         stream, chat = i % 3 != 2, i % 4 == 3
         # shared: every other prompt starts with the same 300 tokens (a system prompt)
         prompt = ((SHARED + " " if shared and i % 2 == 0 else "") + (tag + " " if tag else "")
@@ -258,16 +258,18 @@ def drive_bubbles(srv: VllmServer, switches: Path, bursts: int = 8, size: int = 
     """Bursts of ``size`` streaming requests at once (80-word prompts, one token each: more
     prompt tokens than one step computes, so most wait in the queue for a few steps), the
     engine loop's pause after every step (PLANTED_LOOP_PAUSE_MS) switched on for every other
-    burst: paused and clean bursts share every condition of the run. Rows: ``paused``."""
+    burst: paused and clean bursts share every condition of the run. One clean burst first,
+    not measured: the part's first burst is slower for reasons of its own. Rows: ``paused``."""
     flag = switches / "PLANTED_LOOP_PAUSE_MS"
     out = []
-    for b in range(bursts):
-        paused = b % 2 == 1
+    for b in range(-1, bursts):  # burst -1: clean, unmeasured (a part's first burst ran ~35% slower here)
+        paused = b >= 0 and b % 2 == 1
         if paused:
             flag.touch()
         q = [{"port": srv.port, "model": srv.model, "prompt": prompt_of(80, 2000 + b * size + i), "stream": True,
               "max_tokens": 1} for i in range(size)]
-        out += [{**_row(a), "stream": True, "paused": paused} for a in _Stopwatch.ask({"burst": q})["burst"]]
+        rows = [{**_row(a), "stream": True, "paused": paused} for a in _Stopwatch.ask({"burst": q})["burst"]]
+        out += rows if b >= 0 else []
         flag.unlink(missing_ok=True)
         time.sleep(0.3)
     return out
@@ -318,25 +320,40 @@ def served_seats(tmp: Path, name: str, seats: int) -> tuple[pl.DataFrame, str]:
 
 # the faults that one server runs one after the other (tests/planted: switched on by a
 # file named after the variable in PLANTED_SWITCH_DIR), with the load each is driven with
+#: the engine loop's pause after every step in the bubbles part's paused bursts: about a prefill
+#: step, so that the idle loop, not the bursts' own queue, is the larger cause of their wait on
+#: a slow machine too. At 10 ms, on a VM whose prefill steps took ~45 ms of host CPU, the pauses
+#: cost the client 7 ms or nothing (the API server and the client took the core a pause freed)
+#: and the queue outranked them; at 25 ms they cost it 23-77 ms and ranked first in one run of
+#: three; at 50 ms 99 ms, the finding 103 (2026-12-01). On device-time steps (a worker sleep) the
+#: longer steps' queue hid them instead.
+LOOP_PAUSE_MS = 50
 FAULTS = {
     "PLANTED_DELIVER_STALL_MS": str(STALL_MS),
     "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN),
     "PLANTED_EXECUTE_MS": "30",
     "PLANTED_UPDATE_MS": "10",
-    "PLANTED_LOOP_PAUSE_MS": "10",
+    "PLANTED_LOOP_PAUSE_MS": str(LOOP_PAUSE_MS),
 }
 SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's prompts are the
     # same but for a one-token tag in front, so no part hits another's prefix cache
     "clean": ((), functools.partial(drive, tag="a")),
     # the clean load's prompts in clean and faulty twins (per-request faults: their baseline within)
-    "stall": ((), functools.partial(drive_pairs, fault="PLANTED_DELIVER_STALL_MS", tags=("b", "i"))),
+    # (the stall's 48 pairs: with 24, what the client lost moved by ~+-4 ms around the planted 25)
+    "stall": ((), functools.partial(drive_pairs, fault="PLANTED_DELIVER_STALL_MS", tags=("b", "i"), n=48)),
     "slowtok": ((), functools.partial(drive_pairs, fault="PLANTED_TOKENIZE_US_PER_TOKEN", tags=("c", "j"))),
     # a fault the finding reads from every step of its window (the engine's host share): the whole
-    # part, one token each as the slowtok part's clean twins, its baseline just before
-    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False, max_tokens=1)),
+    # part, one token each, against the same load with no fault just before and just after it
+    # (this VM's speed drifts by several ms a step within a minute: the two sides cancel a drift),
+    # 48 requests each (the same prompt's TTFT varies by +-15 ms from one part to the next here:
+    # a p50 over 24 moved by 3 ms between the two clean parts, a third of the planted cause)
+    "hostbase": ((), functools.partial(drive, tag="k", warm=False, max_tokens=1, n=48)),
+    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False, max_tokens=1, n=48)),
+    "hostafter": ((), functools.partial(drive, tag="l", warm=False, max_tokens=1, n=48)),
     # long-prefix requests, each as a prefix-cache hit and salted (a miss), interleaved: what misses cost
     "prefix": ((), drive_prefix),
-    # bursts that queue, the engine loop pausing 10 ms after every step in every other burst
+    # bursts that queue, the engine loop pausing 50 ms after every step in every other burst (see
+    # LOOP_PAUSE_MS)
     "bubbles": ((), drive_bubbles),
     "busy": (("PLANTED_EXECUTE_MS", "PLANTED_UPDATE_MS"), drive_busy),
 }
@@ -530,14 +547,14 @@ def part_report(rows: pl.DataFrame, store: str, run: str) -> dict:
 def sized_parts(df: pl.DataFrame, store: str, run: str, only: set[str] | None = None) -> dict[str, Sized]:
     """Every sized part of a ``drive_parts`` run (rows ``df``, served as ``run``): the delivery
     stall and the slow tokenizer against their clean twins, the engine's host overhead against the
-    slow-tokenizer part's clean twins just before it, prefix-cache misses against the hits on
+    same load with no fault just before and after it, prefix-cache misses against the hits on
     the same prompts, the bubbles' paused bursts against the clean ones."""
     part = {p: df.filter(pl.col("part") == p) for p in SWITCHED_PARTS}
     twins = {p: (part[p].filter(pl.col("faulty")), part[p].filter(~pl.col("faulty"))) for p in ("stall", "slowtok")}
     plan = {  # what -> (the part whose window is reported, its finding, faulty rows, baseline rows)
         "stall": ("stall", "deliver_dominates", *twins["stall"]),
         "slowtok": ("slowtok", "tokenize_dominates", *twins["slowtok"]),
-        "host": ("host", "engine_host_overhead", part["host"], twins["slowtok"][1]),
+        "host": ("host", "engine_host_overhead", part["host"], pl.concat([part["hostbase"], part["hostafter"]])),
         "prefix": ("prefix", "prefix_cache_misses", part["prefix"].filter(pl.col("salted")),
                    part["prefix"].filter(~pl.col("salted"))),
         "bubbles": ("bubbles", "scheduling_bubbles", part["bubbles"].filter(pl.col("paused")),
