@@ -33,6 +33,17 @@ PLANTED = ROOT / "tests" / "planted"  # the test-only vLLM plugin that plants a 
 STALL_MS = 25.0
 TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts' median
 ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
+UPDATE_MS = 10.0  # planted in the engine core's update_from_output, every step (host and busy parts)
+#: how far from the client's loss a finding may be where a plant's side effects on this VM's two
+#: shared cores move the loss itself, not only the planted time: a plant that sleeps frees a core
+#: the API server and the client take (the client then loses less than was planted), one that
+#: spins takes one from the model (more). Measured 2026-12-01 on a VM half as fast as before, the
+#: finding against the client's loss: host overhead 9.6 vs 13.1 ms planted as a pause (the model's
+#: steps ran 3-4 ms slower beside it), 10.1 vs 16.7, 9.5 vs 8.6 and 10.0 vs 8.5 as busy Python (the
+#: planted 10); the prefill budget 154 vs 212 ms; slow collectives 30.5 vs 25.2 ms (the planted
+#: 6 ms x 5 calls). On the faster VM before, all within 15% (README). A finding a third off still
+#: ranks its cause right, and where the planted time is known the finding is held to 15% of it.
+SHARED_CORES_TOLERANCE = 0.40
 FIRST_STEPS_MS, FIRST_STEPS = 150.0, 20  # planted on the first steps after start: ~5 requests of 4 tokens
 SHARED = prompt_of(300, 999)
 #: the prefix part's shared prefix (a long system prompt): its misses cost the client a size a
@@ -332,7 +343,7 @@ FAULTS = {
     "PLANTED_DELIVER_STALL_MS": str(STALL_MS),
     "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN),
     "PLANTED_EXECUTE_MS": "30",
-    "PLANTED_UPDATE_MS": "10",
+    "PLANTED_UPDATE_MS": str(UPDATE_MS),
     "PLANTED_LOOP_PAUSE_MS": str(LOOP_PAUSE_MS),
 }
 SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's prompts are the

@@ -8,8 +8,8 @@ by environment variables, read in the process where the cause belongs:
   output batch it processes (as a slow detokenizer or a heavy middleware would), i.e. after
   vLLM's own TTFT clock stopped and before the bytes go out.
 * ``PLANTED_EXECUTE_MS``: every worker step takes this much longer (model time).
-* ``PLANTED_UPDATE_MS``: the engine core spends this much longer in ``update_from_output``,
-  busy in Python (engine host overhead per step).
+* ``PLANTED_UPDATE_MS``: the engine core spends this much longer in ``update_from_output``
+  (engine host overhead per step).
 * ``PLANTED_TOKENIZE_US_PER_TOKEN``: the API server's tokenizer takes this much longer per
   prompt token (in vLLM's tokenizer thread pool, where a slow tokenizer would spend it).
 * ``PLANTED_ALLREDUCE_MS`` (with ``PLANTED_ALLREDUCE_FLAG``, a path): every tensor-parallel
@@ -50,30 +50,21 @@ def _switch(var: str):
     return lambda: os.path.exists(path)
 
 
-def _spin(ms: float) -> None:
-    """``ms`` of busy Python holding the GIL, as the engine core's own Python work does."""
-    end = time.perf_counter() + ms / 1000
-    while time.perf_counter() < end:
-        pass
-
-
-def _slow(cls, name: str, ms: float, on, before: bool = False, busy: bool = False) -> None:
+def _slow(cls, name: str, ms: float, on, before: bool = False) -> None:
     """``cls.name`` ``ms`` longer while ``on()``: after the call, or ``before`` it (where the
     call's own result is stamped inside it: vLLM's engine core stamps its outputs at the end of
-    ``update_from_output``, so its own Python work comes before that stamp). A sleep (time on a
-    device, the core free), or ``busy``: Python holding the core and the GIL."""
+    ``update_from_output``, so its own Python work comes before that stamp)."""
     orig = getattr(cls, name)
     if ms <= 0 or getattr(orig, "_planted", False):
         return
-    wait = _spin if busy else (lambda ms: time.sleep(ms / 1000))
 
     @functools.wraps(orig)
     def slowed(self, *a, **kw):
         if before and on():
-            wait(ms)
+            time.sleep(ms / 1000)
         out = orig(self, *a, **kw)
         if not before and on():
-            wait(ms)
+            time.sleep(ms / 1000)
         return out
 
     slowed._planted = True
@@ -193,8 +184,7 @@ def register() -> None:
     if update > 0:
         from vllm.v1.core.sched import scheduler
 
-        _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"), before=True,
-              busy=True)  # only the engine core calls it
+        _slow(scheduler.Scheduler, "update_from_output", update, _switch("PLANTED_UPDATE_MS"), before=True)  # only the engine core calls it
     budget = int(os.environ.get("PLANTED_TOKEN_BUDGET", "0") or 0)
     if budget > 0:
         _token_budget(budget, _switch("PLANTED_TOKEN_BUDGET"))  # only the engine core schedules

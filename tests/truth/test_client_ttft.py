@@ -26,8 +26,10 @@ from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from support.procs import PY, ROOT, ttftscope_sql
 from support.truth import (
+    SHARED_CORES_TOLERANCE,
     SHARED_LOAD,
     STALL_MS,
+    UPDATE_MS,
     Sized,
     drive_parts,
     part_report,
@@ -198,16 +200,19 @@ def test_a_slow_tokenizer_is_named_with_its_size(slowtok, sizes):
 
 
 def test_engine_host_overhead_is_named_with_its_size(sizes):
-    """The engine core 10 ms longer in ``update_from_output`` every step (its Python: output
-    processing) for a whole part, the clean load's prompts with one token each: the top finding is
-    the engine's host overhead, and what it says removing it would save at p50 is what the client
-    lost (issue 12: within 15%) against the same prompts just before (the slow-tokenizer part's
-    clean twins: the finding reads the host share from every step of its window, so this fault is
-    not switched per request)."""
+    """The engine core 10 ms longer in ``update_from_output`` every step for a whole part, one
+    token per request: the top finding is the engine's host overhead, and what it says removing
+    it would save at p50 is the planted time (one step per request: within 15%) and what the
+    client lost against the same load just before and after it (issue 12 asks 15%; here
+    SHARED_CORES_TOLERANCE: on two shared cores the model's steps ran 3-4 ms slower beside the
+    planted pause, and the client lost ~13 ms where the finding said ~9.6; a busy-Python plant
+    took a core from the model instead, 8.5-16.7 ms lost for 9.5-10.1 said). The fault is not
+    switched per request: the finding reads the host time from every step of its window."""
     s = sizes["host"]
     assert s.effect_ms >= 5, "the planted host overhead reached the client"
     assert s.top1, s.kinds
-    _within(s, 0.15)
+    assert abs(s.impact_ms - UPDATE_MS) <= 0.15 * UPDATE_MS, str(s)
+    _within(s, SHARED_CORES_TOLERANCE)
 
 
 def test_with_the_prefix_cache_off_the_misses_are_reported(nocache, tmp_path):
@@ -304,7 +309,7 @@ def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_plante
     execute = steps["execute_us_per_step"] - base_steps["execute_us_per_step"]
     update = steps["update_us_per_step"] - base_steps["update_us_per_step"]
     assert 0.8 * 30_000 <= execute <= 1.3 * 30_000, (steps, base_steps)
-    assert 0.8 * 10_000 <= update <= 1.3 * 10_000, (steps, base_steps)
+    assert 0.8 * UPDATE_MS * 1e3 <= update <= 1.3 * UPDATE_MS * 1e3, (steps, base_steps)
     assert steps["host_share"] > base_steps["host_share"]
     period_ms = (steps["schedule_us_per_step"] + steps["execute_us_per_step"] + steps["update_us_per_step"]) / 1e3
     intake_ms = float(df["intake"].mean()) / 1e6
@@ -329,7 +334,7 @@ def test_waiting_for_a_busy_engine_is_intake_and_the_step_anatomy_has_the_plante
     # the planted 10 ms of engine-core Python per step is named as host overhead, with its size:
     # the clean run's schedule/update/execute per step plus what was planted
     b = base_report["steps"]["all"]
-    host = b["schedule_us_per_step"] + b["update_us_per_step"] + 10_000
+    host = b["schedule_us_per_step"] + b["update_us_per_step"] + UPDATE_MS * 1e3
     expected = host / (host + b["execute_us_per_step"] + 30_000)
     (f,) = [f for f in report["findings"] if f["kind"] == "engine_host_overhead"]
     assert abs(f["size"] - expected) <= 0.25 * expected, (f["size"], expected, f["title"])
