@@ -14,8 +14,8 @@ deliver > queue > intake > receive) and what no
 span covers is ``gap``, itself classified by its neighbours (host-side gap before the engine
 has the request, wait between prefill chunks, scheduling wait, delivery wait, other).
 Allreduce time is the part of each prefill chunk spent in its step's collectives (the least
-any rank spent in them: see ``step_collectives_sql``), carved out of prefill. All sums are integer nanoseconds, so the phases add up to
-``ttft`` exactly. ``intake_ipc`` is the part of ``intake`` before the engine core's input
+any rank spent in them: see ``step_collectives_sql``), carved out of prefill. All sums are
+integer nanoseconds, so the phases add up to ``ttft`` exactly. ``intake_ipc`` is the part of ``intake`` before the engine core's input
 thread had the request (IPC and decoding; the rest is the engine core's preprocessing and the
 wait for its loop), not a phase of its own.
 

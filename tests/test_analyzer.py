@@ -441,3 +441,25 @@ def test_a_cause_goes_before_what_it_brings_about(ranked, want):
     from ttftscope.analyzer.impact import causes_first
 
     assert [f["kind"] for f in causes_first(ranked, "p50")] == want
+
+
+@pytest.mark.parametrize("model_ms", [5.0, 32.0, 120.0])
+def test_engine_host_overhead_sizes_the_python_above_a_healthy_time_per_step(model_ms):
+    """Requests whose whole engine time is one step of ``host + model`` ms: removing the engine
+    core's Python down to its healthy time per step saves ``host - HEALTHY_HOST_MS`` whatever the
+    model time. (The share floor it replaces took 15% of the step as healthy: beside a 32-ms model
+    step it sized a planted 10 ms of host Python at 4.5 ms, as a slow VM's truth run showed.)"""
+    from ttftscope.analyzer.engine_host import HEALTHY_HOST_MS
+    from ttftscope.analyzer.impact import REMOVED, impact_ms
+
+    host_ms, rng = 10.6, range(40)
+    ns = lambda ms: int(ms * 1e6)  # noqa: E731
+    zero = {c: [0] * len(rng) for c in ["intake", "intake_ipc", "queue", "allreduce", "gap_schedule", "gap_chunk_wait",
+                                         "deliver_generation"]}
+    df = pl.DataFrame({**zero, "prefill": [ns(model_ms)] * len(rng), "gap_deliver": [ns(host_ms)] * len(rng),
+                       "ttft": [ns(model_ms + host_ms + 2 + i * 0.1) for i in rng]})  # + receive, deliver
+    finding = {"evidence": {"schedule_ms_per_step": 0.3, "update_ms_per_step": host_ms - 0.3,
+                            "execute_ms_per_step": model_ms}}
+    saved, n = impact_ms(df, REMOVED["engine_host_overhead"](finding))
+    assert n == len(rng)
+    assert saved["p50"] == pytest.approx(host_ms - HEALTHY_HOST_MS, abs=0.01), saved
