@@ -116,7 +116,7 @@ def drive(srv: VllmServer, shared: bool = False, tag: str = "", warm: bool = Tru
         prompt = ((SHARED + " " if shared and i % 2 == 0 else "") + (tag + " " if tag else "")
                   + prompt_of(40 + 20 * (i % 5), 100 + i))
         out.append({**client_ttft(srv.port, srv.model, prompt, stream, chat, max_tokens), "stream": stream,
-                    "shared": shared and i % 2 == 0})
+                    "shared": shared and i % 2 == 0, "i": i})
         time.sleep(0.05)
     return out
 
@@ -356,11 +356,12 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's pr
     # a fault the finding reads from every step of its window (the engine's host share): the whole
     # part, one token each, against the same load with no fault just before and just after it
     # (this VM's speed drifts by several ms a step within a minute: the two sides cancel a drift),
-    # 48 requests each (the same prompt's TTFT varies by +-15 ms from one part to the next here:
-    # a p50 over 24 moved by 3 ms between the two clean parts, a third of the planted cause)
-    "hostbase": ((), functools.partial(drive, tag="k", warm=False, max_tokens=1, n=48)),
-    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False, max_tokens=1, n=48)),
-    "hostafter": ((), functools.partial(drive, tag="l", warm=False, max_tokens=1, n=48)),
+    # 96 requests each, the client's loss taken prompt by prompt (paired_loss: the same prompt's
+    # TTFT varies by +-15 ms from one part to the next here, and a difference of p50s over 48
+    # mixed prompts read 5.4 to 16.7 ms for the planted 10)
+    "hostbase": ((), functools.partial(drive, tag="k", warm=False, max_tokens=1, n=96)),
+    "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False, max_tokens=1, n=96)),
+    "hostafter": ((), functools.partial(drive, tag="l", warm=False, max_tokens=1, n=96)),
     # long-prefix requests, each as a prefix-cache hit and salted (a miss), interleaved: what misses cost
     "prefix": ((), drive_prefix),
     # bursts that queue, the engine loop pausing 50 ms after every step in every other burst (see
@@ -576,7 +577,19 @@ def sized_parts(df: pl.DataFrame, store: str, run: str, only: set[str] | None = 
         if only is None or what in only:
             out[what] = sized(part_report(part[p], store, run), want, fault, base, store,
                               part_window(part[p], run), rows=part[p])
+    if "host" in out:
+        out["host"].effect_ms = paired_loss(part["host"], part["hostbase"], part["hostafter"])
     return out
+
+
+def paired_loss(fault: pl.DataFrame, before: pl.DataFrame, after: pl.DataFrame) -> float:
+    """What a fault switched on for a whole part cost the client at p50, prompt by prompt: the
+    median over the part's prompts (``i``) of each one's TTFT minus its mean in the same load just
+    before and just after (drift cancels; the prompts' own spread, 40-120 words, streaming or not,
+    does not enter as it does into a difference of two p50s)."""
+    b = before.select("i", pl.col("client_ms").alias("b")).join(after.select("i", pl.col("client_ms").alias("a")), on="i")
+    d = fault.select("i", "client_ms").join(b, on="i")
+    return float((d["client_ms"] - (d["a"] + d["b"]) / 2).median())
 
 
 def sized_budget(df: pl.DataFrame, store: str, run: str) -> Sized:

@@ -203,7 +203,8 @@ def test_engine_host_overhead_is_named_with_its_size(sizes):
     """The engine core 10 ms longer in ``update_from_output`` every step for a whole part, one
     token per request: the top finding is the engine's host overhead, and what it says removing
     it would save at p50 is the planted time (one step per request: within 15%) and what the
-    client lost against the same load just before and after it (issue 12 asks 15%; here
+    client lost, prompt by prompt, against the same load just before and after it
+    (``support/truth.paired_loss``; issue 12 asks 15%; here
     SHARED_CORES_TOLERANCE: on two shared cores the model's steps ran 3-4 ms slower beside the
     planted pause, and the client lost ~13 ms where the finding said ~9.6; a busy-Python plant
     took a core from the model instead, 8.5-16.7 ms lost for 9.5-10.1 said). The fault is not
