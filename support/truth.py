@@ -34,6 +34,14 @@ STALL_MS = 25.0
 TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts' median
 ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
 UPDATE_MS = 10.0  # planted in the engine core's update_from_output, every step (host and busy parts)
+#: the engine loop's pause after every step in the bubbles part's paused bursts: about a prefill
+#: step, so that the idle loop, not the bursts' own queue, is the larger cause of their wait on
+#: a slow machine too. At 10 ms, on a VM whose prefill steps took ~45 ms of host CPU, the pauses
+#: cost the client 7 ms or nothing (the API server and the client took the core a pause freed)
+#: and the queue outranked them; at 25 ms they cost it 23-77 ms and ranked first in one run of
+#: three; at 50 ms 99 ms, the finding 103 (2026-12-01). On device-time steps (a worker sleep) the
+#: longer steps' queue hid them instead.
+LOOP_PAUSE_MS = 50
 #: how far from the client's loss a finding may be where a plant's side effects on this VM's two
 #: shared cores move the loss itself, not only the planted time: a plant that sleeps frees a core
 #: the API server and the client take (the client then loses less than was planted), one that
@@ -331,14 +339,6 @@ def served_seats(tmp: Path, name: str, seats: int) -> tuple[pl.DataFrame, str]:
 
 # the faults that one server runs one after the other (tests/planted: switched on by a
 # file named after the variable in PLANTED_SWITCH_DIR), with the load each is driven with
-#: the engine loop's pause after every step in the bubbles part's paused bursts: about a prefill
-#: step, so that the idle loop, not the bursts' own queue, is the larger cause of their wait on
-#: a slow machine too. At 10 ms, on a VM whose prefill steps took ~45 ms of host CPU, the pauses
-#: cost the client 7 ms or nothing (the API server and the client took the core a pause freed)
-#: and the queue outranked them; at 25 ms they cost it 23-77 ms and ranked first in one run of
-#: three; at 50 ms 99 ms, the finding 103 (2026-12-01). On device-time steps (a worker sleep) the
-#: longer steps' queue hid them instead.
-LOOP_PAUSE_MS = 50
 FAULTS = {
     "PLANTED_DELIVER_STALL_MS": str(STALL_MS),
     "PLANTED_TOKENIZE_US_PER_TOKEN": str(TOKENIZE_US_PER_TOKEN),
@@ -529,16 +529,19 @@ class Sized:
 
 
 def sized(report: dict, want: str, fault: pl.DataFrame, base: pl.DataFrame, store: str | None = None,
-          window: Window | None = None, rows: pl.DataFrame | None = None) -> Sized:
-    """Size the finding ``want`` of ``report`` on the ``fault`` rows against their ``base``.
-    For a PER_REQUEST finding its detector runs again over ``window`` of ``store`` (the analysis
-    context's frame: ``rows``, default both sets) for the per-request numbers the report leaves out."""
+          window: Window | None = None, rows: pl.DataFrame | None = None, effect: float | None = None) -> Sized:
+    """Size the finding ``want`` of ``report`` on the ``fault`` rows against their ``base``
+    (what the fault cost the client: ``effect`` where the caller measures it, else the p50 of
+    ``fault`` minus that of ``base``). For a PER_REQUEST finding its detector runs again over
+    ``window`` of ``store`` (the analysis context's frame: ``rows``, default both sets) for the
+    per-request numbers the report leaves out."""
     from ttftscope.analyzer.findings import Context, run_detectors
     from ttftscope.analyzer.gaps import engine_bubbles
     from ttftscope.analyzer.impact import REMOVED, impact_ms
     from ttftscope.schemas.slo import SLO
 
-    effect = float(fault["client_ms"].median()) - float(base["client_ms"].median())
+    if effect is None:
+        effect = float(fault["client_ms"].median()) - float(base["client_ms"].median())
     f = next((x for x in report["findings"] if x["kind"] == want), None)
     if f is not None and want in PER_REQUEST:
         ctx_rows = pl.concat([fault, base], how="diagonal_relaxed") if rows is None else rows
@@ -575,10 +578,9 @@ def sized_parts(df: pl.DataFrame, store: str, run: str, only: set[str] | None = 
     out = {}
     for what, (p, want, fault, base) in plan.items():
         if only is None or what in only:
+            paired = paired_loss(part["host"], part["hostbase"], part["hostafter"]) if what == "host" else None
             out[what] = sized(part_report(part[p], store, run), want, fault, base, store,
-                              part_window(part[p], run), rows=part[p])
-    if "host" in out:
-        out["host"].effect_ms = paired_loss(part["host"], part["hostbase"], part["hostafter"])
+                              part_window(part[p], run), rows=part[p], effect=paired)
     return out
 
 

@@ -60,7 +60,7 @@ def test_slow_collectives_are_named_with_their_size(tp2):
     assert top["kind"] == "allreduce_dominates", [(f["kind"], f.get("impact_ms")) for f in rep["findings"]]
     # the finding's counterfactual takes the collectives away whole: on the slowed part that is
     # the planted slowness plus what the collectives cost clean (two ranks on two shared cores:
-    # 3-15 ms per prefill here, more on a slower machine), so the planted cause is the
+    # 8-16 ms per prefill here, more on a slower machine), so the planted cause is the
     # difference between the two parts' impacts, and that must be what the client lost
     on_timed, _ = impact_ms(slowed, REMOVED["allreduce_dominates"](top))
     on_clean, _ = impact_ms(clean, REMOVED["allreduce_dominates"](top))
