@@ -49,6 +49,12 @@ class CollectorMetrics:
             buckets=(1, 10, 100, 1000, 5000, 10000, 50000, 100000, 500000),
             registry=r,
         )
+        self.group_commit_requests = Histogram(
+            N.COMMIT_REQUESTS,
+            "Requests acknowledged by one spool sync (group commit)",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
         self.store_up.set(1)
         from .phase_metrics import PhaseMetrics
 

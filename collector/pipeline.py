@@ -80,27 +80,39 @@ class Pipeline:
         self._update_gauges()
 
     # ----------------------------------------------------------------- intake
-    def submit(self, table: pa.Table) -> None:
-        """Make ``table`` durable in the spool, or raise :class:`Backpressure`."""
-        self._append(to_ipc(table), table.num_rows, ARROW)
+    def submit(self, table: pa.Table, durable: bool = True):
+        """Make ``table`` durable in the spool, or raise :class:`Backpressure`. With
+        ``durable=False`` it is only written: :meth:`sync` the mark returned before
+        acknowledging it."""
+        return self._append(to_ipc(table), table.num_rows, ARROW, durable)
 
-    def submit_otlp(self, body: bytes, rows: int, events_links: bool = True) -> None:
+    def submit_otlp(self, body: bytes, rows: int, events_links: bool = True, durable: bool = True):
         """Make a checked OTLP protobuf body (``otlp.accept_protobuf``) of ``rows`` spans
-        durable in the spool, or raise :class:`Backpressure`. It is decoded at flush time,
-        with every other body of its segment: the compiled pass (``otlp_compiled``), and one
-        chDB query for the bodies it leaves."""
-        self._append(body, rows, OTLP_EVENTS_LINKS if events_links else OTLP)
+        durable in the spool, or raise :class:`Backpressure` (``durable=False``: as
+        :meth:`submit`). It is decoded at flush time, with every other body of its segment:
+        the compiled pass (``otlp_compiled``), and one chDB query for the bodies it leaves."""
+        return self._append(body, rows, OTLP_EVENTS_LINKS if events_links else OTLP, durable)
 
-    def _append(self, payload: bytes, rows: int, kind: bytes) -> None:
+    def sync(self, mark, rows: int) -> None:
+        """Every batch submitted with a mark up to ``mark`` is durable once this returns;
+        ``rows``: the spans of those batches, counted as acknowledged then."""
+        self.spool.sync(mark)
+        self.metrics.spans_accepted.inc(rows)
+
+    def _append(self, payload: bytes, rows: int, kind: bytes, durable: bool):
         if self.spool.pending_bytes >= self.max_spool_bytes:
             self.metrics.spans_dropped.inc(rows)
             if not self.store_healthy:
                 raise Backpressure(503, 5, f"store unavailable ({self.last_error}); spool full, retry later")
             raise Backpressure(429, 1, "collector queue full; retry later")
-        if self.spool.append(payload, rows, kind):
+        opened, mark = self.spool.write(payload, rows, kind)
+        if opened:
             self._wake.set()  # a new segment: the flusher's next deadline is its age limit
-        self.metrics.spans_accepted.inc(rows)
+        if durable:
+            self.spool.sync(mark)
+            self.metrics.spans_accepted.inc(rows)
         self._update_gauges()
+        return mark
 
     def _update_gauges(self) -> None:
         self.metrics.queue_spans.set(self.spool.pending_rows)

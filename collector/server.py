@@ -4,19 +4,32 @@ Statuses follow the OTLP/HTTP specification: 200 (with partial success when span
 rejected), 400 malformed, 401 bad token, 413 too large, 415 wrong content type or
 encoding, 431 past 100 headers or a 64 KiB header line, 429/503 with ``Retry-After`` when the
 queue is full or the store is down.
+
+One event loop serves every connection (uvloop when it is installed, asyncio's otherwise).
+Why not a thread per connection: a fleet of vLLM processes posts tens of spans each every
+half second, and a thread woken per small request cost ~1-2 ms of CPU under that load (the
+thread switches, a buffered socket file per connection, the GIL handed around), 5-8x the
+spans' own cost. Here a request is parsed from the bytes received, checked and written to the
+spool where it completes; **group commit**: one ``fdatasync`` covers every request completed
+in the same turn of the loop, then their 200s go out. Only JSON bodies and protobuf bodies
+over :data:`OFFLOAD_BYTES` are decoded on worker threads, so one big body does not hold the
+others up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import html
 import logging
 import socket
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import DEFAULT_ERROR_CONTENT_TYPE, DEFAULT_ERROR_MESSAGE, BaseHTTPRequestHandler
 
 import orjson
 from google.rpc import status_pb2
@@ -35,6 +48,11 @@ JSON_TYPES = ("application/json",)
 #: clipped) and spooled as received; a JSON body is decoded to columns in the request (Python
 #: objects per span and attribute). tests/test_reliability.py measures the peak against both.
 DECODE_FACTOR = {"protobuf": 4, "json": 16}
+#: protobuf bodies up to this size are checked on the loop (a 500-span body: ~0.3 ms); larger
+#: ones on a worker thread, as every JSON body is
+OFFLOAD_BYTES = 1 << 20
+RESPONSES = BaseHTTPRequestHandler.responses
+SERVER_HEADER = "ttftscope-collector"
 
 
 @dataclass
@@ -52,6 +70,9 @@ class ServerConfig:
     read_timeout_s: float = 15.0
     #: open connections at most; more are answered 503 and closed at once
     max_connections: int = 256
+    #: group commit: a small request waits at most this long for others to share its spool
+    #: sync and its checks (not at all when every open connection is waiting)
+    commit_window_s: float = 0.05
 
 
 _date = [0, ""]
@@ -97,27 +118,24 @@ class MemoryBudget:
 
 
 _MAX_LINE, _MAX_HEADERS = 65536, 100  # as http.client's
+_MAX_BUFFERED = 1 << 20  # bytes read ahead of the request being handled before reading pauses
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: 63\r\n\r\n"
+            b'{"code":503,"message":"too many open connections; retry later"}')
 
 
 class _Headers(dict):
     """A request's headers by lower-case name (the first of repeated ones, as ``email``'s
-    ``Message.get``); what the handler reads of them, without the ``email`` parser
-    ``http.server`` builds them with (~100 µs a request, most of its per-request cost)."""
+    ``Message.get``)."""
 
     def get(self, name: str, default=None):  # noqa: D102
         return dict.get(self, name.lower(), default)
 
 
-def _read_headers(rfile) -> _Headers | str:
-    """The header block up to its empty line, or why it is refused (431)."""
+def _headers(lines: list[bytes]) -> _Headers:
     headers = _Headers()
     last = None
-    for _ in range(_MAX_HEADERS + 1):
-        line = rfile.readline(_MAX_LINE + 1)
-        if len(line) > _MAX_LINE:
-            return "Line too long"
-        if line in (b"\r\n", b"\n", b""):
-            return headers
+    for line in lines:
         text = line.decode("iso-8859-1").rstrip("\r\n")
         if text[:1] in (" ", "\t") and last is not None:  # an obsolete folded continuation
             headers[last] = f"{headers[last]} {text.strip()}"
@@ -127,110 +145,220 @@ def _read_headers(rfile) -> _Headers | str:
             continue  # not a header line: ignored, as the email parser keeps it out of the fields
         last = name.strip().lower()
         headers.setdefault(last, value.strip())
-    return "Too many headers"
+    return headers
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: CollectorHTTPServer
+@dataclass
+class _Request:
+    command: str
+    path: str
+    version: str
+    close: bool
+    headers: _Headers | None = None
+    kind: str = "json"  # how errors are encoded
+    length: int = 0
+    encoding: str = "identity"
+    held: int = 0  # bytes reserved in the memory budget
+    counted: bool = False  # begin_request() said yes: end_request() is owed
 
-    def parse_request(self) -> bool:
-        """``BaseHTTPRequestHandler.parse_request`` with the lean header reader: the same
-        request-line checks, ``Connection`` and ``Expect: 100-continue`` handling."""
-        self.command = None
-        self.request_version = version = self.default_request_version
-        self.close_connection = True
-        requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-        self.requestline = requestline
-        words = requestline.split()
-        if not words:
-            return False
-        if len(words) >= 3:
-            version = words[-1]
+
+def _request_line(raw: bytes) -> _Request | tuple[int, str, str] | None:
+    """A request line as ``BaseHTTPRequestHandler.parse_request`` reads it: the request, or
+    (code, message, version the error is answered in), or None to close without a word."""
+    line = str(raw, "iso-8859-1").rstrip("\r\n")
+    words = line.split()
+    if not words:
+        return None
+    version, close = "HTTP/0.9", True
+    if len(words) >= 3:
+        v = words[-1]
+        try:
+            if not v.startswith("HTTP/"):
+                raise ValueError
+            number = v.split("/", 1)[1].split(".")
+            if len(number) != 2 or not all(c.isdigit() and len(c) <= 10 for c in number):
+                raise ValueError
+            major_minor = int(number[0]), int(number[1])
+        except (ValueError, IndexError):
+            return 400, f"Bad request version ({v!r})", version
+        if major_minor >= (1, 1):
+            close = False
+        if major_minor >= (2, 0):
+            return 505, f"Invalid HTTP version ({v})", version
+        version = v
+    if not 2 <= len(words) <= 3:
+        return 400, f"Bad request syntax ({line!r})", version
+    command, path = words[:2]
+    if len(words) == 2:
+        close = True
+        if command != "GET":
+            return 400, f"Bad HTTP/0.9 request type ({command!r})", version
+    if path.startswith("//"):
+        path = "/" + path.lstrip("/")
+    return _Request(command, path, version, close)
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection: bytes in, one request at a time, responses in order."""
+
+    def __init__(self, server: CollectorHTTPServer) -> None:
+        self.s = server
+        self.t: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.req: _Request | None = None  # the request whose head was read
+        self.line_end = 0  # the request line's end in buf (0: not read yet)
+        self.continued = False  # 100 Continue sent for this request
+        self.busy = False  # a request is being handled: the next is not parsed until it is answered
+        self.paused = False  # reading paused: too much arrived while busy
+        self.parsing = False  # inside _advance: an answer given there does not re-enter it
+        self.eof = False  # the client sent everything it will send
+        self.closed = False
+        self.last = time.monotonic()
+
+    # -- transport events -------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        s = self.s
+        if len(s.conns) >= s.config.max_connections or s.draining:
+            s.metrics.connections_refused.inc()
+            self.closed = True
+            transport.write(_REFUSED)
+            transport.close()
+            return
+        self.t = transport
+        s.conns.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
             try:
-                if not version.startswith("HTTP/"):
-                    raise ValueError
-                number = version.split("/", 1)[1].split(".")
-                if len(number) != 2 or not all(c.isdigit() and len(c) <= 10 for c in number):
-                    raise ValueError
-                major_minor = int(number[0]), int(number[1])
-            except (ValueError, IndexError):
-                self.send_error(400, f"Bad request version ({version!r})")
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.s.conns.discard(self)
+        self._end_request()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.buf += data
+        self.last = time.monotonic()
+        if not self.busy:
+            self._advance()
+        elif len(self.buf) > _MAX_BUFFERED and not self.paused:  # pipelined past what we hold
+            self.paused = True
+            self.t.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        if not self.busy:
+            self.close()
+        return True  # keep the write side open until a request in flight is answered
+
+    def timed_out(self, now: float) -> bool:
+        return not self.busy and not self.closed and now - self.last > self.s.config.read_timeout_s
+
+    def on_timeout(self) -> None:
+        req = self.req
+        if req is not None and req.counted:  # in the body: the client is told
+            req.close = True
+            self._error(408, f"body not received within {self.s.config.read_timeout_s:g}s", req.kind)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.s.conns.discard(self)
+            self._end_request()
+            if self.t is not None:
+                self.t.close()
+
+    # -- parsing ----------------------------------------------------------------
+    def _advance(self) -> None:
+        """Read requests from the buffer until one needs more bytes or is being handled."""
+        self.parsing = True
+        try:
+            while not self.busy and not self.closed:
+                if self.req is None and (not self.buf or not self._head()):
+                    break
+                req = self.req
+                if req is None:
+                    break
+                if req.command != "POST":
+                    self._get(req)
+                    continue
+                if not req.counted:
+                    self._post_head(req)
+                    continue
+                if len(self.buf) < req.length:
+                    break
+                body = bytes(self.buf[: req.length])
+                del self.buf[: req.length]
+                self._body(req, body)
+        finally:
+            self.parsing = False
+        if self.eof and not self.busy:
+            self.close()
+
+    def _head(self) -> bool:
+        """Parse the request line and headers when they are all in; False: wait or closed."""
+        buf = self.buf
+        if not self.line_end:
+            nl = buf.find(b"\n", 0, _MAX_LINE)
+            if nl < 0:
+                if len(buf) >= _MAX_LINE:
+                    self._send_error(414, None, "")
                 return False
-            if major_minor >= (1, 1):
-                self.close_connection = False
-            if major_minor >= (2, 0):
-                self.send_error(505, f"Invalid HTTP version ({version})")
+            self.line_end = nl + 1
+            got = _request_line(bytes(buf[:nl + 1]))
+            if got is None:
+                self.close()
                 return False
-            self.request_version = version
-        if not 2 <= len(words) <= 3:
-            self.send_error(400, f"Bad request syntax ({requestline!r})")
-            return False
-        command, path = words[:2]
-        if len(words) == 2:
-            self.close_connection = True
-            if command != "GET":
-                self.send_error(400, f"Bad HTTP/0.9 request type ({command!r})")
+            if isinstance(got, tuple):
+                code, message, version = got
+                self._send_error(code, message, version)
                 return False
-        self.command, self.path = command, path
-        if self.path.startswith("//"):
-            self.path = "/" + self.path.lstrip("/")
-        headers = _read_headers(self.rfile)
-        if isinstance(headers, str):
-            self.send_error(431, headers)
-            return False
-        self.headers = headers
-        conntype = headers.get("Connection", "").lower()
+            self.req = got
+            self.req.headers = None
+        req = self.req
+        pos, lines = self.line_end, []
+        while True:
+            nl = buf.find(b"\n", pos, pos + _MAX_LINE)
+            if nl < 0:
+                if len(buf) - pos >= _MAX_LINE:
+                    self._send_error(431, "Line too long", req.version)
+                return False
+            line = bytes(buf[pos:nl + 1])
+            pos = nl + 1
+            if line in (b"\r\n", b"\n"):
+                break
+            if len(lines) == _MAX_HEADERS:
+                self._send_error(431, "Too many headers", req.version)
+                return False
+            lines.append(line)
+        del buf[:pos]
+        self.line_end = 0
+        req.headers = h = _headers(lines)
+        conntype = h.get("Connection", "").lower()
         if conntype == "close":
-            self.close_connection = True
+            req.close = True
         elif conntype == "keep-alive":
-            self.close_connection = False
-        if headers.get("Expect", "").lower() == "100-continue" and self.request_version >= "HTTP/1.1":
-            return self.handle_expect_100()
+            req.close = False
         return True
 
-    def setup(self) -> None:
-        self.timeout = self.server.config.read_timeout_s  # socket timeout for every read
-        name_native_thread("ttftscope-conn")  # what connections cost, apart (top -H, /proc/*/task)
-        super().setup()
-
-    def log_message(self, fmt: str, *args) -> None:  # quiet: metrics tell the story
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    # ------------------------------------------------------------- responses
-    def _send(self, code: int, body: bytes, ctype: str, extra: dict | None = None) -> None:
-        if self.server.draining:
-            self.close_connection = True  # shutting down: no further request on this one
-        # the status line, headers and body in one write (send_response/send_header/end_headers
-        # cost a formatted date, a log record and two writes a request)
-        lines = [f"HTTP/1.1 {code} {self.responses.get(code, ('',))[0]}", f"Server: {self.version_string()}",
-                 f"Date: {_http_date()}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
-        if self.close_connection:
-            lines.append("Connection: close")
-        self.wfile.write("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body)
-        if log.isEnabledFor(logging.DEBUG):
-            self.log_request(code)
-        self.server.metrics.requests.labels(str(code)).inc()
-
-    def _error(self, code: int, message: str, kind: str = "json", extra: dict | None = None) -> None:
-        """An error body as a ``google.rpc.Status`` in the request's encoding."""
-        if kind == "protobuf":
-            body = status_pb2.Status(code=code, message=message).SerializeToString()
-            ctype = "application/x-protobuf"
-        else:
-            body = orjson.dumps({"code": code, "message": message})
-            ctype = "application/json"
-        self._send(code, body, ctype, extra)
-
-    # ---------------------------------------------------------------- routes
-    def do_GET(self) -> None:  # noqa: N802
-        path = self.path.split("?", 1)[0]
+    # -- routes -----------------------------------------------------------------
+    def _get(self, req: _Request) -> None:
+        self.req = None
+        if req.command != "GET":
+            self._send_error(501, f"Unsupported method ({req.command!r})", req.version)
+            return
+        path = req.path.split("?", 1)[0]
         if path == "/metrics":
-            self.server.pipeline._update_gauges()
-            self._send(200, generate_latest(self.server.metrics.registry), CONTENT_TYPE_LATEST)
+            self.s.pipeline._update_gauges()
+            self._send(req, 200, generate_latest(self.s.metrics.registry), CONTENT_TYPE_LATEST)
         elif path in ("/healthz", "/health", "/"):
-            p = self.server.pipeline
+            p = self.s.pipeline
             body = {
                 "status": "ok",
                 "store_healthy": p.store_healthy,
@@ -238,53 +366,48 @@ class _Handler(BaseHTTPRequestHandler):
                 "queue_spans": p.spool.pending_rows,
                 "spool_bytes": p.spool.pending_bytes,
             }
-            self._send(200, orjson.dumps(body), "application/json")
+            self._send(req, 200, orjson.dumps(body), "application/json")
         elif path == "/v1/traces":
-            self._error(405, "use POST for /v1/traces", extra={"Allow": "POST"})
+            self._send_json_error(req, 405, "use POST for /v1/traces", {"Allow": "POST"})
         else:
-            self._error(404, f"no route {path}")
+            self._send_json_error(req, 404, f"no route {path}")
 
-    def do_POST(self) -> None:  # noqa: N802
-        if not self.server.begin_request():
-            self.close_connection = True
+    def _post_head(self, req: _Request) -> None:
+        """Everything about a POST that is known before its body: refuse early, or wait."""
+        s, cfg = self.s, self.s.config
+        h = req.headers
+        if not s.begin_request():
+            req.close = True
             self._error(503, "collector shutting down; retry on another or later", "json", {"Retry-After": "5"})
             return
-        try:
-            self._post()
-        finally:
-            self.server.end_request()
-
-    def _post(self) -> None:
-        cfg = self.server.config
-        path = self.path.split("?", 1)[0]
+        req.counted = True
+        path = req.path.split("?", 1)[0]
         if path != "/v1/traces":
-            self.close_connection = True
+            req.close = True
             self._error(404, f"no route {path}; OTLP traces go to /v1/traces")
             return
-        ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        ctype = (h.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         kind = "protobuf" if ctype in PROTOBUF_TYPES else "json" if ctype in JSON_TYPES else None
+        req.kind = kind or "json"
         if cfg.bearer_token:
-            auth = self.headers.get("Authorization") or ""
+            auth = h.get("Authorization") or ""
             scheme, _, given = auth.strip().partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), cfg.bearer_token.encode()):
-                self.close_connection = True
-                self._error(401, "missing or wrong bearer token", kind or "json", {"WWW-Authenticate": "Bearer"})
+                req.close = True
+                self._error(401, "missing or wrong bearer token", req.kind, {"WWW-Authenticate": "Bearer"})
                 return
         if kind is None:
-            self.close_connection = True
-            self._error(
-                415,
-                f"unsupported Content-Type {ctype or '(none)'!r}: use application/x-protobuf or application/json",
-            )
+            req.close = True
+            self._error(415, f"unsupported Content-Type {ctype or '(none)'!r}: use application/x-protobuf or application/json")
             return
-        encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
-        if encoding not in ("identity", "gzip", "deflate"):
-            self.close_connection = True
-            self._error(415, f"unsupported Content-Encoding {encoding!r}: use gzip, deflate or none", kind)
+        req.encoding = (h.get("Content-Encoding") or "identity").strip().lower()
+        if req.encoding not in ("identity", "gzip", "deflate"):
+            req.close = True
+            self._error(415, f"unsupported Content-Encoding {req.encoding!r}: use gzip, deflate or none", kind)
             return
-        length = self.headers.get("Content-Length")
+        length = h.get("Content-Length")
         if length is None:
-            self.close_connection = True
+            req.close = True
             self._error(411, "Content-Length required", kind)
             return
         try:
@@ -292,69 +415,104 @@ class _Handler(BaseHTTPRequestHandler):
             if n < 0:
                 raise ValueError
         except ValueError:
-            self.close_connection = True
+            req.close = True
             self._error(400, f"invalid Content-Length {length!r}", kind)
             return
         if n > cfg.max_body_bytes:
-            self.close_connection = True  # the body is not read
+            req.close = True  # the body is not read
             self._error(413, f"body of {n} bytes exceeds the limit of {cfg.max_body_bytes} bytes", kind)
             return
-        budget = self.server.budget
-        held = n
-        if not budget.try_reserve(held):
-            self.close_connection = True  # the body is not read
+        if not s.budget.try_reserve(n):
+            req.close = True  # the body is not read
             self._busy(kind)
             return
-        try:
+        req.held, req.length = n, n
+        if (h.get("Expect", "").lower() == "100-continue" and req.version >= "HTTP/1.1" and not self.continued
+                and len(self.buf) < n):
+            self.continued = True
+            self.t.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _body(self, req: _Request, body: bytes) -> None:
+        s, cfg = self.s, self.s.config
+        self.busy = True
+        kind = req.kind
+        if req.encoding != "identity":
             try:
-                body = self.rfile.read(n)
-            except TimeoutError:
-                self.close_connection = True
-                self._error(408, f"body not received within {cfg.read_timeout_s:g}s", kind)
+                body, extra = self._inflate(body, req.encoding, req)
+                req.held += extra
+            except _TooLarge:
+                self._error(413, f"decompressed body exceeds the limit of {cfg.max_body_bytes} bytes", kind)
                 return
-            if len(body) != n:
-                self.close_connection = True
-                self._error(400, f"body truncated: got {len(body)} of {n} bytes", kind)
-                return
-            if encoding != "identity":
-                try:
-                    body, extra = self._inflate(body, encoding, held)
-                    held += extra
-                except _TooLarge:
-                    self._error(413, f"decompressed body exceeds the limit of {cfg.max_body_bytes} bytes", kind)
-                    return
-                except _OverBudget:
-                    self._busy(kind)
-                    return
-                except zlib.error as e:
-                    self._error(400, f"invalid {encoding} body: {e}", kind)
-                    return
-            # decoding costs a multiple of the decoded size: reserved before it starts
-            cost = len(body) * DECODE_FACTOR[kind]
-            if not budget.try_reserve(cost):
+            except _OverBudget:
                 self._busy(kind)
                 return
-            held += cost
-            if not self.server.inflight.acquire(blocking=False):
-                self._error(429, "too many requests in flight; retry later", kind, {"Retry-After": "1"})
+            except zlib.error as e:
+                self._error(400, f"invalid {req.encoding} body: {e}", kind)
                 return
+        # decoding costs a multiple of the decoded size: reserved before it starts
+        cost = len(body) * DECODE_FACTOR[kind]
+        if not s.budget.try_reserve(cost):
+            self._busy(kind)
+            return
+        req.held += cost
+        if s.inflight >= cfg.max_inflight:
+            self._error(429, "too many requests in flight; retry later", kind, {"Retry-After": "1"})
+            return
+        if kind == "protobuf" and len(body) <= OFFLOAD_BYTES:
+            s.defer(self, req, body)
+            return
+        s.inflight += 1
+        fut = s.loop.run_in_executor(s.workers, _check, body, kind, cfg.limits)
+
+        def done(f: asyncio.Future) -> None:
+            s.inflight -= 1
+            if not self.closed:
+                self._decoded(req, *f.result())
+            else:
+                self._end_request()
+
+        fut.add_done_callback(done)
+
+    def _decoded(self, req: _Request, outcome: str, a, b, c) -> None:
+        """After the check (or decode): spool what was accepted, answer once it is durable."""
+        m, kind = self.s.metrics, req.kind
+        if outcome == "bad":
+            self._error(400, a, kind)
+            return
+        if outcome == "crash":
+            log.error("unexpected decode failure: %s", a)
+            self._error(400, f"cannot decode request: {a}", kind)
+            return
+        body_or_table, report, events_links = a, b, c
+        m.spans_received.inc(report.accepted + report.rejected)
+        for reason, cnt in report.reasons.items():
+            m.spans_rejected.labels(reason).inc(cnt)
+        mark = None
+        if report.accepted:
             try:
-                self._export(body, kind)
-            finally:
-                self.server.inflight.release()
-        finally:
-            budget.release(held)
+                if kind == "protobuf":
+                    mark = self.s.pipeline.submit_otlp(body_or_table, report.accepted, events_links, durable=False)
+                else:
+                    mark = self.s.pipeline.submit(body_or_table, durable=False)
+            except Backpressure as e:
+                self._error(e.status, str(e), kind, {"Retry-After": str(e.retry_after)})
+                return
+            except Exception as e:  # noqa: BLE001 - e.g. the spool's disk is full
+                log.exception("cannot spool a batch")
+                self._error(503, f"cannot persist the batch: {e}", kind, {"Retry-After": "5"})
+                return
+        ctype = "application/x-protobuf" if kind == "protobuf" else "application/json"
+        self.s.commit(self, mark, report.accepted, encode_response(report, kind), ctype)
 
     def _busy(self, kind: str) -> None:
-        self.server.metrics.requests_over_budget.inc()
-        self._error(429, f"collector memory budget ({self.server.config.max_memory_bytes >> 20} MiB) in use "
+        self.s.metrics.requests_over_budget.inc()
+        self._error(429, f"collector memory budget ({self.s.config.max_memory_bytes >> 20} MiB) in use "
                          "by other requests; retry later", kind, {"Retry-After": "1"})
 
-    def _inflate(self, body: bytes, encoding: str, held: int) -> tuple[bytes, int]:
+    def _inflate(self, body: bytes, encoding: str, req: _Request) -> tuple[bytes, int]:
         """Decompress every member (RFC 1952 allows several; trailing garbage is an error),
         reserving the output's memory as it grows. Returns (body, bytes reserved)."""
-        cfg = self.server.config
-        budget = self.server.budget
+        cfg, budget = self.s.config, self.s.budget
         chunk = 1 << 20
         out: list[bytes] = []
         size = reserved = 0
@@ -388,107 +546,227 @@ class _Handler(BaseHTTPRequestHandler):
             raise
         return b"".join(out), reserved
 
-    def _export(self, body: bytes, kind: str) -> None:
-        m = self.server.metrics
-        limits = self.server.config.limits
-        table = None
-        events_links = True
-        try:
-            if kind == "protobuf":  # stored as received (checked, clipped); decoded in bulk later
-                body, report, events_links = accept_protobuf(body, limits)
-            else:
-                table, report = decode(body, kind, limits)
-        except DecodeError as e:
-            self._error(400, str(e), kind)
+    # -- responses --------------------------------------------------------------
+    def _end_request(self) -> None:
+        req = self.req
+        if req is None:
             return
-        except Exception as e:  # noqa: BLE001 - never let one request kill the service
-            log.exception("unexpected decode failure")
-            self._error(400, f"cannot decode request: {type(e).__name__}: {e}", kind)
+        if req.held:
+            self.s.budget.release(req.held)
+            req.held = 0
+        if req.counted:
+            req.counted = False
+            self.s.end_request()
+
+    def _send(self, req: _Request, code: int, body: bytes, ctype: str, extra: dict | None = None) -> None:
+        """The status line, headers and body in one write; then the next request, if any."""
+        if self.s.draining:
+            req.close = True  # shutting down: no further request on this one
+        lines = [f"HTTP/1.1 {code} {RESPONSES.get(code, ('',))[0]}", f"Server: {SERVER_HEADER}",
+                 f"Date: {_http_date()}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
+        if req.close:
+            lines.append("Connection: close")
+        self.s.metrics.requests.labels(str(code)).inc()
+        if self.closed:
+            self._end_request()
             return
-        m.spans_received.inc(report.accepted + report.rejected)
-        for reason, cnt in report.reasons.items():
-            m.spans_rejected.labels(reason).inc(cnt)
-        if report.accepted:
-            try:
-                if table is None:
-                    self.server.pipeline.submit_otlp(body, report.accepted, events_links)
-                else:
-                    self.server.pipeline.submit(table)
-            except Backpressure as e:
-                self._error(e.status, str(e), kind, {"Retry-After": str(e.retry_after)})
-                return
-            except Exception as e:  # noqa: BLE001 - e.g. the spool's disk is full
-                log.exception("cannot spool a batch")
-                self._error(503, f"cannot persist the batch: {e}", kind, {"Retry-After": "5"})
-                return
-        ctype = "application/x-protobuf" if kind == "protobuf" else "application/json"
-        self._send(200, encode_response(report, kind), ctype)
+        self.t.write("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug('"%s %s %s" %d', req.command, req.path, req.version, code)
+        self._end_request()
+        self.req = None
+        self.continued = False
+        self.last = time.monotonic()
+        if req.close:
+            self.close()
+            return
+        self.busy = False
+        if self.paused:
+            self.paused = False
+            self.t.resume_reading()
+        if not self.parsing:  # answered from a callback: read what waited meanwhile
+            self._advance()
+
+    def _error(self, code: int, message: str, kind: str = "json", extra: dict | None = None) -> None:
+        """An error body as a ``google.rpc.Status`` in the request's encoding."""
+        if kind == "protobuf":
+            body, ctype = status_pb2.Status(code=code, message=message).SerializeToString(), "application/x-protobuf"
+        else:
+            body, ctype = orjson.dumps({"code": code, "message": message}), "application/json"
+        self._send(self.req, code, body, ctype, extra)
+
+    def _send_json_error(self, req: _Request, code: int, message: str, extra: dict | None = None) -> None:
+        self._send(req, code, orjson.dumps({"code": code, "message": message}), "application/json", extra)
+
+    def _send_error(self, code: int, message: str | None, version: str) -> None:
+        """``BaseHTTPRequestHandler.send_error``: an HTML page, then the connection closes
+        (no status line or headers for a request read as HTTP/0.9)."""
+        short, explain = RESPONSES.get(code, ("???", "???"))
+        message = short if message is None else message
+        body = (DEFAULT_ERROR_MESSAGE % {"code": code, "message": html.escape(message, quote=False),
+                                         "explain": html.escape(explain, quote=False)}).encode("UTF-8", "replace")
+        head = b""
+        if version != "HTTP/0.9":
+            head = (f"HTTP/1.1 {code} {message}\r\nServer: {SERVER_HEADER}\r\nDate: {_http_date()}\r\n"
+                    f"Connection: close\r\nContent-Type: {DEFAULT_ERROR_CONTENT_TYPE}\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1", "replace")
+        if self.t is not None and not self.closed:
+            self.t.write(head + body)
+        self.close()
 
 
-class CollectorHTTPServer(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_connections`` of them, each cut off after
-    ``read_timeout_s`` of silence. ``drain()`` stops it the way a shutdown must: no new
-    connection, no new request acknowledged, the requests in flight finished."""
+def _check(body: bytes, kind: str, limits: Limits):
+    """The arrival check of a protobuf body (it is spooled as received) or the decode of a
+    JSON one: ("ok", body or table, report, events_links), ("bad", message, ...), or
+    ("crash", ...) for what must never take the service down."""
+    try:
+        if kind == "protobuf":
+            body, report, events_links = accept_protobuf(body, limits)
+            return "ok", body, report, events_links
+        table, report = decode(body, kind, limits)
+        return "ok", table, report, True
+    except DecodeError as e:
+        return "bad", str(e), None, None
+    except Exception as e:  # noqa: BLE001 - never let one request kill the service
+        log.exception("unexpected decode failure")
+        return "crash", f"{type(e).__name__}: {e}", None, None
 
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio's loop also works
+        return asyncio.new_event_loop()
+
+
+class CollectorHTTPServer:
+    """Every connection on one event loop (``serve_forever`` runs it), at most
+    ``max_connections`` of them, each cut off after ``read_timeout_s`` of silence. ``drain()``
+    stops it the way a shutdown must: no new connection, no new request acknowledged, the
+    requests in flight finished."""
 
     def __init__(self, config: ServerConfig, pipeline: Pipeline) -> None:
         self.config = config
         self.pipeline = pipeline
         self.metrics = pipeline.metrics
-        self.inflight = threading.BoundedSemaphore(config.max_inflight)
         self.budget = MemoryBudget(config.max_memory_bytes)
+        self.inflight = 0  # bodies on the worker threads
+        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ttftscope-decode")
         self.draining = False
+        self.conns: set[_Conn] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._state = threading.Condition()
-        self._conns: set[socket.socket] = set()
         self._busy = 0
-        super().__init__((config.host, config.port), _Handler)
+        self._stopped = threading.Event()
+        self._batch: list[tuple[_Conn, _Request, bytes]] = []  # checked at the next commit
+        self._pending: list[tuple[_Conn, int, bytes, str]] = []  # answered once the spool is synced
+        self._mark = None
+        self._commit_timer: asyncio.TimerHandle | None = None
+        self._commit_now = False
+        self._sock = socket.create_server((config.host, config.port), backlog=128)
+        self.server_address = self._sock.getsockname()
+        self._aserver = None
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
-    # -- connections ----------------------------------------------------------------
-    def process_request(self, request, client_address) -> None:
-        with self._state:
-            full = len(self._conns) >= self.config.max_connections or self.draining
-            if not full:
-                self._conns.add(request)
-        if full:
-            self.metrics.connections_refused.inc()
-            try:
-                request.settimeout(1.0)
-                body = b'{"code":503,"message":"too many open connections; retry later"}'
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
-                                + str(len(body)).encode() + b"\r\n\r\n" + body)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def handle_error(self, request, client_address) -> None:
-        import sys
-
-        err = sys.exc_info()[1]
-        if isinstance(err, OSError):  # a client that went away or timed out: nothing to report
-            log.debug("connection from %s ended: %r", client_address, err)
-            return
-        log.exception("unexpected error serving %s", client_address)
-
-    def shutdown_request(self, request) -> None:
-        with self._state:
-            self._conns.discard(request)
-        super().shutdown_request(request)
-
     @property
     def open_connections(self) -> int:
-        with self._state:
-            return len(self._conns)
+        return len(self.conns)
+
+    def serve_forever(self) -> None:
+        name_native_thread("ttftscope-http")
+        self.loop = loop = _new_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            self._aserver = loop.run_until_complete(loop.create_server(lambda: _Conn(self), sock=self._sock))
+            loop.call_later(self._sweep_every(), self._sweep)
+            loop.run_forever()
+            for c in list(self.conns):
+                c.close()
+            loop.run_until_complete(asyncio.sleep(0.05))  # let the closes go out
+        finally:
+            loop.close()
+            self.workers.shutdown(wait=False)
+            self._stopped.set()
+
+    def _sweep_every(self) -> float:
+        return min(max(self.config.read_timeout_s / 4, 0.05), 1.0)
+
+    def _sweep(self) -> None:
+        """Cut off the connections silent for ``read_timeout_s`` (one timer for all of them)."""
+        now = time.monotonic()
+        for c in [c for c in self.conns if c.timed_out(now)]:
+            c.on_timeout()
+        self.loop.call_later(self._sweep_every(), self._sweep)
+
+    # -- group commit -------------------------------------------------------------
+    def defer(self, conn: _Conn, req: _Request, body: bytes) -> None:
+        """Check a small protobuf body with the others of this commit (see :meth:`_commit`)."""
+        self._batch.append((conn, req, body))
+        self._due()
+
+    def commit(self, conn: _Conn, mark, rows: int, body: bytes, ctype: str) -> None:
+        """Answer ``conn`` once the spool holds its batch of ``rows`` spans (``mark``; None:
+        nothing to hold, answered now)."""
+        if mark is None:
+            conn._send(conn.req, 200, body, ctype)
+            return
+        self._pending.append((conn, rows, body, ctype))
+        self._mark = mark if self._mark is None else max(self._mark, mark)
+        self._due()
+
+    def _due(self) -> None:
+        """When the next commit runs: at once when every open connection is waiting for one
+        (no other request can come before it: bulk senders), else ``commit_window_s`` after
+        the first request waiting (a fleet's small requests, spaced out, share one sync)."""
+        waiting = len(self._batch) + len(self._pending)
+        if waiting >= len(self.conns):
+            if self._commit_timer is not None:
+                self._commit_timer.cancel()
+                self._commit_timer = None
+            if not self._commit_now:
+                self._commit_now = True
+                self.loop.call_soon(self._commit)
+        elif self._commit_timer is None and not self._commit_now:
+            self._commit_timer = self.loop.call_later(self.config.commit_window_s, self._commit)
+
+    def _commit(self) -> None:
+        """Check the bodies deferred, write them to the spool, one sync for every request
+        waiting, then their answers."""
+        if self._commit_timer is not None:
+            self._commit_timer.cancel()
+        self._commit_timer, self._commit_now = None, False
+        batch, self._batch = self._batch, []
+        limits = self.config.limits
+        for conn, req, body in batch:
+            if conn.closed:
+                conn._end_request()
+            else:
+                conn._decoded(req, *_check(body, "protobuf", limits))
+        pending, mark = self._pending, self._mark
+        self._pending, self._mark = [], None
+        if not pending:
+            return
+        try:
+            self.pipeline.sync(mark, sum(p[1] for p in pending))
+            error = None
+        except Exception as e:  # noqa: BLE001 - the disk failed: nothing here is acknowledged
+            log.exception("cannot sync the spool")
+            error = f"cannot persist the batch: {e}"
+        self.metrics.group_commit_requests.observe(len(pending))
+        for conn, _, body, ctype in pending:
+            if conn.req is None:
+                continue
+            if error is None:
+                conn._send(conn.req, 200, body, ctype)
+            else:
+                conn._error(503, error, conn.req.kind, {"Retry-After": "5"})
 
     # -- requests -------------------------------------------------------------------
     def begin_request(self) -> bool:
@@ -508,17 +786,21 @@ class CollectorHTTPServer(ThreadingHTTPServer):
         keep-alive connections. True when nothing was still in flight at the end."""
         with self._state:
             self.draining = True
-        self.shutdown()  # the accept loop
-        self.server_close()
+        loop = self.loop
+        running = loop is not None and not self._stopped.is_set()
+        if running:
+            loop.call_soon_threadsafe(self._aserver.close)  # no new connection
+        else:
+            self._sock.close()
         deadline = time.monotonic() + timeout
         with self._state:
             while self._busy and time.monotonic() < deadline:
                 self._state.wait(max(deadline - time.monotonic(), 0.01))
             done = self._busy == 0
-            conns = list(self._conns)
-        for c in conns:  # idle keep-alive connections: their next read sees EOF
+        if running:
             try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:  # closed meanwhile
                 pass
+            self._stopped.wait(5.0)
         return done

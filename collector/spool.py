@@ -158,9 +158,18 @@ class Spool:
         """Append one record of ``kind`` (:data:`ARROW`, :data:`OTLP`, :data:`OTLP_EVENTS_LINKS`); returns once it is
         durable (fsynced, unless disabled). True when this record opened a new segment (the
         flusher's next deadline changed)."""
+        opened, mark = self.write(payload, rows, kind)
+        self.sync(mark)
+        return opened
+
+    def write(self, payload: bytes, rows: int, kind: bytes = ARROW) -> tuple[bool, tuple[int, int]]:
+        """Append one record without waiting for the disk: (opened a new segment?, the mark
+        :meth:`sync` takes). Nothing written so is durable, nor may be acknowledged, before
+        a ``sync`` of its mark (or of a later one) returns."""
         if kind not in _MAGICS:
             raise ValueError(f"unknown spool record kind {kind!r}")
-        frame = _HEADER.pack(kind, len(payload), rows, zlib.crc32(payload)) + payload
+        header = _HEADER.pack(kind, len(payload), rows, zlib.crc32(payload))
+        size = len(header) + len(payload)
         with self._lock:
             opened = self._fd is None
             if opened:
@@ -170,17 +179,21 @@ class Spool:
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 self._open_rows = self._open_bytes = 0
                 self._open_since = time.monotonic()
-            n = os.write(self._fd, frame)
-            if n != len(frame):  # pragma: no cover - disk full mid-write
+            n = os.writev(self._fd, (header, payload))  # no copy of the payload into a frame
+            if n != size:  # pragma: no cover - disk full mid-write
                 raise SpoolError("short write to the spool (disk full?)")
             self._open_rows += rows
-            self._open_bytes += len(frame)
+            self._open_bytes += size
             me = (self._open_seq, self._open_bytes)
             if self._open_bytes >= self.segment_bytes:
                 self._seal_locked()
+        return opened, me
+
+    def sync(self, mark: tuple[int, int]) -> None:
+        """Return once every record up to ``mark`` is on disk (group commit: one fdatasync
+        covers every record written before it; a no-op with fsync off)."""
         if self.fsync:
-            self._sync(me)
-        return opened
+            self._sync(mark)
 
     def _sync(self, me: tuple[int, int]) -> None:
         with self._sync_lock:

@@ -45,6 +45,7 @@ class Collector:
     STORE_ERRORS = f"{COLLECTOR}_store_errors"
     BATCH_WRITE_SECONDS = f"{COLLECTOR}_batch_write_seconds"  # histogram
     BATCH_SPANS = f"{COLLECTOR}_batch_spans"  # histogram
+    COMMIT_REQUESTS = f"{COLLECTOR}_commit_requests"  # histogram: requests one spool sync acknowledged
 
 
 # the series rules, dashboards and tools select

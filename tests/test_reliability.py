@@ -271,6 +271,52 @@ def test_multi_member_gzip_stores_every_member_and_garbage_is_400(collector_fact
     _exact(col.store, _ids(1, 30) | _ids(2, 40))
 
 
+def test_concurrent_senders_share_spool_syncs_and_each_span_is_stored_once(collector_factory):
+    """Group commit: requests completed together are acknowledged by one spool sync, none
+    before it (the kill -9 tests check what a sync promises); every span stored once."""
+    col = collector_factory().start()
+    senders, per = 8, 12
+    codes: list[int] = []
+
+    def send(k: int) -> None:
+        with requests.Session() as s:
+            for j in range(per):
+                r = s.post(col.url + "/v1/traces", data=_batch(k * 100 + j, 20), headers=PB, timeout=30)
+                codes.append(r.status_code)
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert codes == [200] * senders * per
+    syncs = col.metric("ttftscope_collector_commit_requests_count")
+    acked = col.metric("ttftscope_collector_commit_requests_sum")
+    assert acked == senders * per, "every acknowledged request waited for a sync"
+    assert syncs < acked, f"{syncs:.0f} syncs for {acked:.0f} concurrent requests: none shared"
+    assert col.terminate() == 0
+    _exact(col.store, set().union(*(_ids(k * 100 + j, 20) for k in range(senders) for j in range(per))))
+
+
+def test_pipelined_requests_are_answered_in_order(collector_factory):
+    """Three requests in one write on one connection: three answers, in order, all stored."""
+    col = collector_factory().start()
+    bodies = [_batch(k, 5 + k) for k in range(3)]
+    head = "POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+    wire = b"".join(f"{head}Content-Length: {len(b)}\r\n\r\n".encode() + b for b in bodies[:2])
+    wire += f"{head}Connection: close\r\nContent-Length: {len(bodies[2])}\r\n\r\n".encode() + bodies[2]
+    with socket.create_connection(("127.0.0.1", col.port), timeout=30) as s:
+        s.sendall(wire)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    answers = got.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200"] * 3, got[:300]
+    assert b"Connection: close" in answers[2] and b"Connection: close" not in answers[0]
+    assert col.terminate() == 0
+    _exact(col.store, _ids(0, 5) | _ids(1, 6) | _ids(2, 7))
+
+
 def _vm(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
