@@ -160,7 +160,7 @@ def allreduce_concurrency(ctx: Context, min_steps: int = 50) -> list[Finding]:
     """Allreduce time per step (``step_collectives_sql``) vs concurrency: relative growth per +10
     concurrent requests."""
     store, window = ctx.store, ctx.window
-    s = store.query(step_collectives_sql(Window.time_filter()), window.params()).rename({"ar_ns": "ar"})
+    s = store.query(step_collectives_sql(Window.time_filter(), running=True), window.params()).rename({"ar_ns": "ar"})
     if s.height < min_steps or s["running"].max() - s["running"].min() < 10:
         return []
     x, y = s["running"].to_numpy().astype(float), s["ar"].to_numpy().astype(float)

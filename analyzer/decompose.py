@@ -155,23 +155,36 @@ WHERE ttft > 0
 """
 
 
-def step_collectives_sql(where: str) -> str:
+def step_collectives_sql(where: str, running: bool = False) -> str:
     """Per (engine, step): ``ar_ns``, the time the step spent in its tensor-parallel collectives,
     taken as the least any rank spent in them. A rank that reaches a collective early waits
     there for the last one; that wait is the last rank's compute (skew: CPU contention, uneven
     work), not communication, and faster collectives would not give it back. The last rank's
     time is the collectives' own (the transfer, and whatever slows every rank alike). Per rank
     first the longest of its spans (the hook's and a profiler window's may both cover a step).
-    Also ``running`` (the most requests running that any span saw) and one ``trace_id``."""
+    With ``running``, also the requests running in that step, from the engine's step span (a
+    merged run of decode steps covers ``step`` to ``step.last``; the workers do not know it),
+    0 when no step span covers it. And one ``trace_id``."""
     a = lambda k: f"SpanAttributes[{_q(k)}]"  # noqa: E731
-    return f"""
-    SELECT engine, step, min(r_ns) AS ar_ns, max(r_running) AS running, any(r_trace) AS trace_id
+    per_step = f"""
+    SELECT engine, step, toUInt64OrZero(step) AS step_n, min(r_ns) AS ar_ns, any(r_trace) AS trace_id
     FROM (SELECT {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, {a(Attr.RANK)} AS rank,
-                 max(toInt64(Duration)) AS r_ns, max(toUInt32OrZero({a(Attr.RUNNING)})) AS r_running,
-                 any(TraceId) AS r_trace
+                 max(toInt64(Duration)) AS r_ns, any(TraceId) AS r_trace
           FROM otel_traces WHERE SpanName = {_q(SpanName.ALLREDUCE)} AND {where}
           GROUP BY engine, step, rank)
     GROUP BY engine, step"""
+    if not running:
+        return per_step
+    return f"""
+    SELECT c.engine AS engine, c.step AS step, c.ar_ns AS ar_ns, c.trace_id AS trace_id,
+           if(s.engine = c.engine AND c.step_n <= s.last, s.running, 0) AS running
+    FROM ({per_step}) AS c
+    ASOF LEFT JOIN
+         (SELECT {a(Attr.ENGINE)} AS engine, toUInt64OrZero({a(Attr.STEP)}) AS first,
+                 greatest(toUInt64OrZero({a(Attr.STEP_LAST)}), first) AS last,
+                 toUInt32OrZero({a(Attr.RUNNING)}) AS running
+          FROM otel_traces WHERE SpanName = {_q(SpanName.STEP)} AND {where}) AS s
+    ON c.engine = s.engine AND c.step_n >= s.first"""
 
 
 def decompose(store, window: Window) -> pl.DataFrame:

@@ -369,7 +369,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  SpanName.ALLREDUCE, "Internal", "vllm", wk, {
                                      Attr.STEP: steps[mc], Attr.RANK: np.full(nc, r), Attr.TP_SIZE: np.full(nc, p.tp),
                                      Attr.ALLREDUCE_COUNT: np.full(nc, 4), Attr.ALLREDUCE_BYTES: ctoks[mc] * 2 * 256 * 4,
-                                     Attr.RUNNING: running[mc] + 1, Attr.ENGINE: np.full(nc, engine)},
+                                     Attr.ENGINE: np.full(nc, engine)},  # as the plugin's: no running count
                                  ar[mc]))
 
     # cold start: each process from start to ready, with its loading phases and an idle gap

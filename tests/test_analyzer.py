@@ -463,3 +463,38 @@ def test_engine_host_overhead_sizes_the_python_above_a_healthy_time_per_step(mod
     saved, n = impact_ms(df, REMOVED["engine_host_overhead"](finding))
     assert n == len(rng)
     assert saved["p50"] == pytest.approx(host_ms - HEALTHY_HOST_MS, abs=0.01), saved
+
+
+def test_a_steps_collectives_take_its_running_count_from_the_engines_step_span(tmp_path):
+    """The workers' collective spans do not know how many requests ran (the plugin's carry no
+    count): it comes from the engine's step span, a merged decode run covering ``step`` to
+    ``step.last``; a step no step span covers has none. The step's collective time is the
+    least any rank spent (the longest of each rank's spans first)."""
+    import time
+
+    import pyarrow as pa
+    from ttftscope.analyzer.decompose import step_collectives_sql
+    from ttftscope.schemas.vocabulary import Attr, SpanName
+
+    now, ms = time.time_ns() - 60 * 10**9, 10**6
+    eng = {"service.name": "vllm"}
+
+    def spans(name, rows):
+        n = len(rows)
+        attrs = {k: [r[1].get(k, "") for r in rows] for k in {k for r in rows for k in r[1]}}
+        return synth._table(n, [now + r[0] * ms for r in rows], [f"{i:032x}" for i in range(n)],
+                            [f"{i + 1:016x}" for i in range(n)], "", name, "Internal", "vllm", eng, attrs,
+                            [r[2] for r in rows])
+
+    steps = spans(SpanName.STEP, [
+        (0, {Attr.ENGINE: "engine-1", Attr.STEP: 5, Attr.RUNNING: 3}, 5 * ms),
+        (10, {Attr.ENGINE: "engine-1", Attr.STEP: 10, Attr.STEP_LAST: 14, Attr.STEP_COUNT: 5, Attr.RUNNING: 7}, 9 * ms),
+        (10, {Attr.ENGINE: "engine-2", Attr.STEP: 12, Attr.RUNNING: 40}, 9 * ms)])  # another engine's step 12
+    ar = [(1, {Attr.ENGINE: "engine-1", Attr.STEP: s, Attr.RANK: r}, d * ms)
+          for s, r, d in [(5, 0, 2), (5, 1, 3), (5, 1, 1), (12, 0, 4), (12, 1, 6), (20, 0, 1), (20, 1, 1)]]
+    st = open_store(str(tmp_path / "s"))
+    st.insert_spans(pa.concat_tables([steps, spans(SpanName.ALLREDUCE, ar)]), "t")
+    w = Window.last(3600)
+    got = {r["step"]: (r["running"], r["ar_ns"] // ms)
+           for r in st.query(step_collectives_sql(Window.time_filter(), running=True), w.params()).to_dicts()}
+    assert got == {"5": (3, 2), "12": (7, 4), "20": (0, 1)}
