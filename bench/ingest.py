@@ -7,7 +7,8 @@ Measured in one run, on the same requests:
   pipeline   today's path, in-process: check on arrival -> spool the body (fsync) -> the compiled
              pass decodes the segment (chDB the bodies it leaves) -> Parquet part (stages shown)
   http bulk  the real `ttftscope collect` over HTTP, 2 senders posting big requests; the
-             collector's CPU from /proc (all threads) per stored span, its RSS sampled
+             collector's CPU from /proc (all threads) per stored span, read once it has
+             written everything (not its exit), split by thread; its RSS sampled
   http fleet the same collector fed like a fleet of vLLM processes: many senders, each
              posting 20-50 spans every 0.5 s (target: <= 2x the bulk CPU per span)
 
@@ -39,7 +40,7 @@ from ttftscope.collector.spool import Spool  # noqa: E402
 from ttftscope.schemas.store import open_store  # noqa: E402
 
 from support.otlp import plugin_like_request as otlp_request  # noqa: E402
-from support.procs import cpu_s, free_port, rss_mb  # noqa: E402
+from support.procs import cpu_s, free_port, rss_mb, threads_cpu_s  # noqa: E402
 
 PB = {"Content-Type": "application/x-protobuf"}
 TARGET = 150_000
@@ -105,6 +106,8 @@ class Collector:
                 time.sleep(0.1)
         time.sleep(2.0)  # let start-up (the chDB engine) finish before counting CPU
         self.cpu0 = cpu_s(self.proc.pid)
+        self.threads0 = threads_cpu_s(self.proc.pid)
+        self.threads: dict[str, float] = {}
 
     def stop(self) -> tuple[float, int]:
         """(collector CPU seconds since start-up, rows stored). The CPU is read once the
@@ -118,12 +121,25 @@ class Collector:
                 break
             time.sleep(0.05)
         cpu = cpu_s(pid) - self.cpu0
+        self.threads = {k: v - self.threads0.get(k, 0.0) for k, v in threads_cpu_s(pid).items()}
         self.proc.terminate()  # SIGTERM: every acknowledged span is stored (counted below)
         self.proc.wait(120)
         return cpu, open_store(self.store).query("SELECT count() FROM otel_traces").item()
 
 
-def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) -> tuple[float, float, list[float]]:
+def where(col: Collector, spans: int, requests_n: int | None = None) -> str:
+    """The collector's CPU by thread: the receiver's event loop and the flusher, per span (and
+    per request), the rest together."""
+    t = col.threads
+    parts = {"receiver": t.get("ttftscope-http", 0.0), "flusher": t.get("ttftscope-flush", 0.0)}
+    parts["other threads"] = sum(t.values()) - sum(parts.values())
+    out = ", ".join(f"{k} {v / spans * 1e6:.1f} us/span" for k, v in parts.items())
+    if requests_n:
+        out += f"; receiver {parts['receiver'] / requests_n * 1e6:.0f} us/request"
+    return out
+
+
+def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) -> tuple[float, float, list[float], str]:
     col = Collector(tmp, "bulk")
     spans_per = [n_spans(b) for b in bodies]
     sent = [0] * senders
@@ -151,10 +167,10 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
         t.join()
     cpu, n = col.stop()
     assert n == sum(sent), (n, sum(sent))
-    return n / cpu, n / (time.perf_counter() - t0), rss
+    return n / cpu, n / (time.perf_counter() - t0), rss, where(col, n)
 
 
-def http_fleet(tmp: Path, seconds: float, senders: int) -> tuple[float, float, float]:
+def http_fleet(tmp: Path, seconds: float, senders: int) -> tuple[float, float, float, str]:
     """(spans per collector CPU-second, spans/s offered, requests/s) with many small senders."""
     col = Collector(tmp, "fleet")
     sent = [0] * senders
@@ -187,7 +203,7 @@ def http_fleet(tmp: Path, seconds: float, senders: int) -> tuple[float, float, f
     dt = time.perf_counter() - t0
     cpu, n = col.stop()
     assert n == sum(sent), (n, sum(sent))
-    return n / cpu, n / dt, sum(reqs) / dt
+    return n / cpu, n / dt, sum(reqs) / dt, where(col, n, sum(reqs))
 
 
 def main() -> None:
@@ -213,13 +229,15 @@ def main() -> None:
         p, st = pipeline(bodies, tmp, "pipeline", old=False)
         print(f"pipeline   check + spool + decode + Parquet          {p:>10,.0f}   = {p / b:.2f} x baseline"
               f"   time share %: {st}")
-        h, wall, rss = http_bulk(bodies, tmp, a.http_seconds)
+        h, wall, rss, split = http_bulk(bodies, tmp, a.http_seconds)
         print(f"http bulk  `ttftscope collect`, 2 senders            {h:>10,.0f}   = {h / b:.2f} x baseline"
               f"   ({wall:,.0f} spans/s wall, senders on the same {os.cpu_count()} cores)")
         print(f"           collector RSS (MB) sampled over {a.http_seconds:.0f}s: {rss}")
-        fl, offered, rps = http_fleet(tmp, a.http_seconds, a.fleet_senders)
+        print(f"           CPU by thread: {split}")
+        fl, offered, rps, fsplit = http_fleet(tmp, a.http_seconds, a.fleet_senders)
         print(f"http fleet {a.fleet_senders} senders x 20-50 spans every 0.5 s      {fl:>10,.0f}   "
               f"= {h / fl:.2f} x the bulk CPU per span   ({offered:,.0f} spans/s, {rps:.0f} requests/s)")
+        print(f"           CPU by thread: {fsplit}")
         print(f"target >= {TARGET:,} spans per CPU-second end to end over HTTP: "
               f"{'met' if h >= TARGET else 'NOT met'} ({h / TARGET:.2f} x target); "
               f"fleet <= 2x bulk CPU per span: {'met' if h / fl <= 2 else 'NOT met'}")

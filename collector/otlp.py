@@ -578,15 +578,7 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
     else:
         ints, times, where = fast
         # a span the Python checks would pass untouched: ids, times, no limit within reach
-        start, end = times[:, 0], times[:, 1]
-        fine = ((ints[:, S.TID_LEN] == 16) & (ints[:, S.TID_ZERO] == 0) & (ints[:, S.SID_LEN] == 8)
-                & (ints[:, S.SID_ZERO] == 0) & ((ints[:, S.PARENT_LEN] == 0) | (ints[:, S.PARENT_LEN] == 8))
-                & (start >= np.uint64(lo)) & (start <= np.uint64(hi)) & (end >= start)
-                & (end - np.minimum(start, end) <= np.uint64(max_dur))
-                & (ints[:, S.N_ATTRS] <= max_attrs) & (ints[:, S.N_EVENTS_LINKS] == 0))
-        if may_be_long:
-            fine &= ints[:, S.SIZE] <= small
-        accepted = int(fine.sum())
+        accepted, fine = S.fine(ints, times, lo, hi, max_dur, max_attrs, small if may_be_long else -1)
         if accepted < len(fine):  # the few that need a closer look, scope by scope
             bad = np.flatnonzero(~fine)
             first = np.searchsorted(ints[:, S.SCOPE], np.arange(len(scopes)))  # each scope's first row

@@ -19,7 +19,7 @@ from ttftscope.servers import Child, free_port, vllm_args, vllm_env
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-__all__ = ["ROOT", "PY", "free_port", "wait_http", "rss_mb", "cpu_s", "CollectorProc", "ttftscope_sql", "ClickHouseFixture", "VllmServer"]
+__all__ = ["ROOT", "PY", "free_port", "wait_http", "rss_mb", "cpu_s", "threads_cpu_s", "CollectorProc", "ttftscope_sql", "ClickHouseFixture", "VllmServer"]
 
 
 def rss_mb(pid: int) -> float:
@@ -36,6 +36,22 @@ def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def threads_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (threads of one name summed) of a live process, from
+    /proc/PID/task (threads that have exited are only in :func:`cpu_s`)."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
