@@ -294,7 +294,10 @@ class _Conn(asyncio.Protocol):
                 if len(self.buf) < req.length:
                     break
                 body = bytes(self.buf[: req.length])
-                del self.buf[: req.length]
+                if len(self.buf) == req.length:
+                    self.buf = bytearray()  # a big body's buffer is not kept for the next request
+                else:
+                    del self.buf[: req.length]
                 self._body(req, body)
         finally:
             self.parsing = False
