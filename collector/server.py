@@ -280,8 +280,8 @@ class _Conn(asyncio.Protocol):
         self.parsing = True
         try:
             while not self.busy and not self.closed:
-                if self.req is None and (not self.buf or not self._head()):
-                    break
+                if (self.req is None or self.req.headers is None) and (not self.buf or not self._head()):
+                    break  # the head is not all in yet
                 req = self.req
                 if req is None:
                     break

@@ -317,6 +317,26 @@ def test_pipelined_requests_are_answered_in_order(collector_factory):
     _exact(col.store, _ids(0, 5) | _ids(1, 6) | _ids(2, 7))
 
 
+def test_a_request_that_arrives_in_pieces_is_read_whole(collector_factory):
+    """The request line, the headers and the body in separate writes with pauses (a slow
+    network): one answer, the spans stored."""
+    col = collector_factory().start()
+    body = _batch(9, 12)
+    pieces = [b"POST /v1/traces HTTP/1.1\r\nHo", b"st: x\r\nContent-Type: application/x-protobuf\r\n",
+              f"Connection: close\r\nContent-Length: {len(body)}\r\n".encode(), b"\r\n", body[:7], body[7:]]
+    with socket.create_connection(("127.0.0.1", col.port), timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for p in pieces:
+            s.sendall(p)
+            time.sleep(0.15)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1, got[:300]
+    assert col.terminate() == 0
+    _exact(col.store, _ids(9, 12))
+
+
 def _vm(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
