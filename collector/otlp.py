@@ -568,6 +568,10 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
                               may_be_long=may_be_long, small=small, lim=lim, report=report)
     fast = (S.scan(body, sum(len(ss.spans) for ss in scopes), len(scopes))
             if min(lo, max_dur) >= 0 else None)  # (limits that fit the scan's unsigned times)
+    # a span the Python checks would pass untouched: ids, times, no limit within reach
+    plain = None if fast is None else S.fine(fast[0], fast[1], lo, hi, max_dur, max_attrs, small if may_be_long else -1)
+    if plain is None:
+        fast = None
     for rs in req.resource_spans:
         changed |= _clip_kvs(rs.resource.attributes, lim, report)
     if fast is None:  # every span checked in Python
@@ -577,8 +581,7 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
                 accepted, changed, events_links = accepted + n, changed | ch, events_links | el
     else:
         ints, times, where = fast
-        # a span the Python checks would pass untouched: ids, times, no limit within reach
-        accepted, fine = S.fine(ints, times, lo, hi, max_dur, max_attrs, small if may_be_long else -1)
+        accepted, fine = plain
         if accepted < len(fine):  # the few that need a closer look, scope by scope
             bad = np.flatnonzero(~fine)
             first = np.searchsorted(ints[:, S.SCOPE], np.arange(len(scopes)))  # each scope's first row

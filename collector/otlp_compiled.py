@@ -616,6 +616,11 @@ def decode(bodies: list) -> tuple[pa.Table, list[int]]:
 _ready = False
 
 
+def ready() -> bool:
+    """The pass is compiled and in use (:func:`warm_up` has finished)."""
+    return _ready
+
+
 def warm_up() -> bool:
     """Compile (or load from numba's cache) this pass now; until then every body is left to
     ``otlp_sql``. True when it is in use."""

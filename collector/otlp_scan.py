@@ -191,8 +191,10 @@ def scan(body: bytes, n_spans: int, n_scopes: int) -> tuple[np.ndarray, np.ndarr
     ints = np.empty((n_spans, N_COLS), dtype=np.int64)
     times = np.empty((n_spans, 2), dtype=np.uint64)
     scopes = np.empty((n_scopes, 2), dtype=np.int64)
+    buf = np.frombuffer(body, dtype=np.uint8)
+    buf.flags.writeable = False  # one signature for bytes and bytearray bodies (see warm_up)
     try:
-        got = _scan(np.frombuffer(body, dtype=np.uint8), ints, times, scopes)
+        got = _scan(buf, ints, times, scopes)
     except Exception:  # noqa: BLE001 - never lose a request to the fast path
         _broken = True
         log.exception("the compiled OTLP scan failed; checking spans in Python from now on")
@@ -203,12 +205,19 @@ def scan(body: bytes, n_spans: int, n_scopes: int) -> tuple[np.ndarray, np.ndarr
 
 
 def fine(ints: np.ndarray, times: np.ndarray, lo: int, hi: int, max_dur: int, max_attrs: int,
-         small: int) -> tuple[int, np.ndarray]:
+         small: int) -> tuple[int, np.ndarray] | None:
     """(how many, which) of the spans :func:`scan` read pass the checks untouched: valid ids,
     ``lo <= start <= hi``, ``start <= end <= start + max_dur``, at most ``max_attrs``
-    attributes, no events or links, and (``small`` >= 0) at most ``small`` bytes."""
+    attributes, no events or links, and (``small`` >= 0) at most ``small`` bytes. None:
+    check them all in Python."""
+    global _broken
     out = np.empty(len(ints), dtype=np.bool_)
-    n = _fine(ints, times, np.uint64(lo), np.uint64(hi), np.uint64(max_dur), max_attrs, small, out)
+    try:
+        n = _fine(ints, times, np.uint64(lo), np.uint64(hi), np.uint64(max_dur), max_attrs, small, out)
+    except Exception:  # noqa: BLE001 - never lose a request to the fast path
+        _broken = True
+        log.exception("the compiled span check failed; checking spans in Python from now on")
+        return None
     return n, out
 
 
@@ -220,9 +229,16 @@ def warm_up() -> bool:
     if not available():
         return False
     try:
-        _scan(np.zeros(0, dtype=np.uint8), np.empty((0, N_COLS), dtype=np.int64),
-              np.empty((0, 2), dtype=np.uint64), np.empty((0, 2), dtype=np.int64))
+        empty = np.frombuffer(b"", dtype=np.uint8)
+        empty.flags.writeable = False
+        _scan(empty, np.empty((0, N_COLS), dtype=np.int64), np.empty((0, 2), dtype=np.uint64),
+              np.empty((0, 2), dtype=np.int64))
         fine(np.empty((0, N_COLS), dtype=np.int64), np.empty((0, 2), dtype=np.uint64), 0, 1, 1, 1, -1)
+        # the receiver's event loop calls these: a call that needed compiling would wait for the
+        # compiler lock, which the flush decode's warm-up holds for seconds on a cold cache, and
+        # hold every connection up meanwhile. Compiled once, for the types they are given.
+        _scan.disable_compile()
+        _fine.disable_compile()
     except Exception:  # noqa: BLE001 - e.g. no compiler support on this platform
         _broken = True
         log.warning("cannot compile the OTLP arrival scan; spans are checked in Python", exc_info=True)

@@ -35,6 +35,7 @@ import orjson
 from google.rpc import status_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import otlp_compiled
 from .otel_setup import name_native_thread
 from .otlp import DecodeError, Limits, accept_protobuf, decode, encode_response
 from .pipeline import Backpressure, Pipeline
@@ -160,6 +161,8 @@ class _Request:
     encoding: str = "identity"
     held: int = 0  # bytes reserved in the memory budget
     counted: bool = False  # begin_request() said yes: end_request() is owed
+    body: bytearray | None = None  # the body, filled in place as it arrives (its one copy)
+    got: int = 0  # bytes of it received
 
 
 def _request_line(raw: bytes) -> _Request | tuple[int, str, str] | None:
@@ -241,8 +244,19 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        self.buf += data
         self.last = time.monotonic()
+        req = self.req
+        if req is not None and req.body is not None and req.got < req.length:  # into the body
+            take = min(len(data), req.length - req.got)
+            with memoryview(data) as view:
+                req.body[req.got:req.got + take] = view[:take]
+            req.got += take
+            if take == len(data):
+                if req.got == req.length and not self.busy:
+                    self._advance()
+                return
+            data = data[take:]  # the next request's first bytes (pipelined)
+        self.buf += data
         if not self.busy:
             self._advance()
         elif len(self.buf) > _MAX_BUFFERED and not self.paused:  # pipelined past what we hold
@@ -291,13 +305,16 @@ class _Conn(asyncio.Protocol):
                 if not req.counted:
                     self._post_head(req)
                     continue
-                if len(self.buf) < req.length:
+                if req.body is None:  # what came with the head goes into the body's buffer
+                    req.body = bytearray(req.length)
+                    take = min(len(self.buf), req.length)
+                    with memoryview(self.buf) as view:
+                        req.body[:take] = view[:take]
+                    del self.buf[:take]
+                    req.got = take
+                if req.got < req.length:
                     break
-                body = bytes(self.buf[: req.length])
-                if len(self.buf) == req.length:
-                    self.buf = bytearray()  # a big body's buffer is not kept for the next request
-                else:
-                    del self.buf[: req.length]
+                body, req.body = req.body, None
                 self._body(req, body)
         finally:
             self.parsing = False
@@ -368,6 +385,8 @@ class _Conn(asyncio.Protocol):
                 "store_error": p.last_error,
                 "queue_spans": p.spool.pending_rows,
                 "spool_bytes": p.spool.pending_bytes,
+                # the arrival check and the flush decode compiled (numba): until then, Python and chDB
+                "compiled": otlp_compiled.ready(),
             }
             self._send(req, 200, orjson.dumps(body), "application/json")
         elif path == "/v1/traces":
@@ -435,7 +454,7 @@ class _Conn(asyncio.Protocol):
             self.continued = True
             self.t.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def _body(self, req: _Request, body: bytes) -> None:
+    def _body(self, req: _Request, body: bytearray) -> None:
         s, cfg = self.s, self.s.config
         self.busy = True
         kind = req.kind

@@ -353,6 +353,9 @@ def test_memory_is_bounded_under_concurrent_maximum_size_bodies(collector_factor
     decodes it), JSON is decoded in the request: a smaller budget fills with protobuf."""
     budget = budget_mb << 20
     col = collector_factory(extra=["--max-body", "4M", "--max-memory", f"{budget_mb}M"]).start()
+    deadline = time.monotonic() + 180  # numba compiling on a cold cache holds ~100 MB for a while
+    while not requests.get(col.url + "/healthz", timeout=10).json()["compiled"] and time.monotonic() < deadline:
+        time.sleep(0.5)
     requests.post(col.url + "/v1/traces", data=_batch(0, 10), headers=PB, timeout=10)  # warm
     base = _vm(col.proc.pid, "VmRSS")
     n_spans = 30_000 if encoding == "protobuf" else 13_000
