@@ -80,26 +80,26 @@ class Pipeline:
         self._update_gauges()
 
     # ----------------------------------------------------------------- intake
-    def submit(self, table: pa.Table, durable: bool = True):
+    def submit(self, table: pa.Table, durable: bool = True) -> tuple[int, int]:
         """Make ``table`` durable in the spool, or raise :class:`Backpressure`. With
         ``durable=False`` it is only written: :meth:`sync` the mark returned before
         acknowledging it."""
         return self._append(to_ipc(table), table.num_rows, ARROW, durable)
 
-    def submit_otlp(self, body: bytes, rows: int, events_links: bool = True, durable: bool = True):
+    def submit_otlp(self, body: bytes, rows: int, events_links: bool = True, durable: bool = True) -> tuple[int, int]:
         """Make a checked OTLP protobuf body (``otlp.accept_protobuf``) of ``rows`` spans
         durable in the spool, or raise :class:`Backpressure` (``durable=False``: as
         :meth:`submit`). It is decoded at flush time, with every other body of its segment:
         the compiled pass (``otlp_compiled``), and one chDB query for the bodies it leaves."""
         return self._append(body, rows, OTLP_EVENTS_LINKS if events_links else OTLP, durable)
 
-    def sync(self, mark, rows: int) -> None:
+    def sync(self, mark: tuple[int, int], rows: int) -> None:
         """Every batch submitted with a mark up to ``mark`` is durable once this returns;
         ``rows``: the spans of those batches, counted as acknowledged then."""
         self.spool.sync(mark)
         self.metrics.spans_accepted.inc(rows)
 
-    def _append(self, payload: bytes, rows: int, kind: bytes, durable: bool):
+    def _append(self, payload: bytes, rows: int, kind: bytes, durable: bool) -> tuple[int, int]:
         if self.spool.pending_bytes >= self.max_spool_bytes:
             self.metrics.spans_dropped.inc(rows)
             if not self.store_healthy:
