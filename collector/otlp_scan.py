@@ -233,7 +233,8 @@ def warm_up() -> bool:
         empty.flags.writeable = False
         _scan(empty, np.empty((0, N_COLS), dtype=np.int64), np.empty((0, 2), dtype=np.uint64),
               np.empty((0, 2), dtype=np.int64))
-        fine(np.empty((0, N_COLS), dtype=np.int64), np.empty((0, 2), dtype=np.uint64), 0, 1, 1, 1, -1)
+        _fine(np.empty((0, N_COLS), dtype=np.int64), np.empty((0, 2), dtype=np.uint64), np.uint64(0), np.uint64(1),
+              np.uint64(1), 1, -1, np.empty(0, dtype=np.bool_))  # (fine()'s own types; a failure lands below)
         # the receiver's event loop calls these: a call that needed compiling would wait for the
         # compiler lock, which the flush decode's warm-up holds for seconds on a cold cache, and
         # hold every connection up meanwhile. Compiled once, for the types they are given.

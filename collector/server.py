@@ -390,9 +390,9 @@ class _Conn(asyncio.Protocol):
             }
             self._send(req, 200, orjson.dumps(body), "application/json")
         elif path == "/v1/traces":
-            self._send_json_error(req, 405, "use POST for /v1/traces", {"Allow": "POST"})
+            self._error(405, "use POST for /v1/traces", extra={"Allow": "POST"}, req=req)
         else:
-            self._send_json_error(req, 404, f"no route {path}")
+            self._error(404, f"no route {path}", req=req)
 
     def _post_head(self, req: _Request) -> None:
         """Everything about a POST that is known before its body: refuse early, or wait."""
@@ -610,16 +610,15 @@ class _Conn(asyncio.Protocol):
         if not self.parsing:  # answered from a callback: read what waited meanwhile
             self._advance()
 
-    def _error(self, code: int, message: str, kind: str = "json", extra: dict | None = None) -> None:
-        """An error body as a ``google.rpc.Status`` in the request's encoding."""
+    def _error(self, code: int, message: str, kind: str = "json", extra: dict | None = None,
+               req: _Request | None = None) -> None:
+        """An error body as a ``google.rpc.Status`` in the request's encoding (``req``: the
+        request answered, when it is no longer the one being read)."""
         if kind == "protobuf":
             body, ctype = status_pb2.Status(code=code, message=message).SerializeToString(), "application/x-protobuf"
         else:
             body, ctype = orjson.dumps({"code": code, "message": message}), "application/json"
-        self._send(self.req, code, body, ctype, extra)
-
-    def _send_json_error(self, req: _Request, code: int, message: str, extra: dict | None = None) -> None:
-        self._send(req, code, orjson.dumps({"code": code, "message": message}), "application/json", extra)
+        self._send(req or self.req, code, body, ctype, extra)
 
     def _send_error(self, code: int, message: str | None, version: str) -> None:
         """``BaseHTTPRequestHandler.send_error``: an HTML page, then the connection closes

@@ -31,11 +31,16 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _stat_cpu_s(stat: str) -> float:
+    """User + system CPU seconds from a /proc ``stat`` line (fields after the name's ``)``)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used, from /proc."""
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat_cpu_s(f.read())
 
 
 def threads_cpu_s(pid: int) -> dict[str, float]:
@@ -49,8 +54,7 @@ def threads_cpu_s(pid: int) -> dict[str, float]:
         except FileNotFoundError:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[name] = out.get(name, 0.0) + _stat_cpu_s(stat)
     return out
 
 
