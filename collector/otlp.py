@@ -543,17 +543,29 @@ class Accepted(NamedTuple):
     events_links: bool  #: some stored span has events or links (the decoder must read them)
 
 
+def _accept_unparsed(body: bytes, lim: Limits, lo: int, hi: int, max_dur: int, small: int) -> Accepted | None:
+    """The arrival check without upb's parse, for the common request: one upb would parse
+    (``otlp_scan.validate``), every span plainly fine, no Resource that a limit could touch (at
+    most ``max_attributes`` attributes, its values' text at most 4x its encoded size). None:
+    check it the long way."""
+    v = S.validate(body)
+    if v is None:
+        return None
+    n_spans, n_scopes, res_attrs, res_bytes = v
+    if res_attrs > lim.max_attributes or res_bytes > lim.max_value_bytes // 4:
+        return None
+    fast = S.scan(body, n_spans, n_scopes)
+    plain = None if fast is None else S.fine(fast[0], fast[1], lo, hi, max_dur, lim.max_attributes, small)
+    if plain is None or plain[0] != n_spans:
+        return None
+    return Accepted(body, DecodeReport(accepted=n_spans), False)
+
+
 def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | None = None) -> Accepted:
     """Check a binary ``ExportTraceServiceRequest`` the way :func:`decode_protobuf` does. What the store keeps is decoded later, in bulk, by chDB
     (``otlp_sql``); this pass reads a few fields per span and nothing per attribute, except
     for spans that may exceed a limit (big ones, many attributes, events or links)."""
-    req = trace_service_pb2.ExportTraceServiceRequest()
-    try:
-        req.ParseFromString(body)
-    except (_PbDecodeError, UnicodeDecodeError, ValueError) as e:
-        raise DecodeError(f"invalid protobuf ExportTraceServiceRequest: {e}") from None
     lim = limits or Limits()
-    report = DecodeReport()
     now = now_ns if now_ns is not None else time.time_ns()
     lo, hi, max_dur = lim.min_start_ns, now + lim.max_future_ns, lim.max_duration_ns
     max_attrs = lim.max_attributes
@@ -561,6 +573,16 @@ def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | Non
     # values); smaller spans cannot reach any length limit
     small = min(lim.max_value_bytes, lim.max_name_bytes) // 4
     may_be_long = len(body) > small
+    if min(lo, max_dur) >= 0:  # (limits that fit the scan's unsigned times)
+        plain = _accept_unparsed(body, lim, lo, hi, max_dur, small if may_be_long else -1)
+        if plain is not None:
+            return plain
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    try:
+        req.ParseFromString(body)
+    except (_PbDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise DecodeError(f"invalid protobuf ExportTraceServiceRequest: {e}") from None
+    report = DecodeReport()
     changed = events_links = False
     accepted = 0
     scopes = [ss for rs in req.resource_spans for ss in rs.scope_spans]

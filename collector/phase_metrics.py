@@ -7,6 +7,7 @@ custom collector: no Python call per span.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -16,6 +17,10 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from ttftscope.schemas import metrics as M
 from ttftscope.schemas.phases import OWN_SPAN_PHASE, SPAN_PHASES
 from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
+
+from .otlp_wire import _jit
+
+log = logging.getLogger("ttftscope.collector")
 
 
 class _Hist:
@@ -61,11 +66,81 @@ class _Hist:
         return m
 
 
-def _lookups(col: pa.ChunkedArray, keys: tuple[str, ...]) -> dict[str, pa.Array]:
-    """Each key's value in every row of a string map column ("" where absent; the first entry
-    where a key repeats): one pass over the flattened entries for all keys (``pc.map_lookup``
-    walks the maps once per key, and was most of this module's time)."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+def _first_hits(key_off, key_data, map_off, want_data, want_off, out):
+    """``out[j, r]``: the entry index of the first key equal to wanted key ``j`` in row ``r``'s
+    map (entries ``map_off[r]:map_off[r + 1]``, keys as string offsets into ``key_data``),
+    left as it was (-1) where row ``r`` has none. One pass over the entries for every key."""
+    k = want_off.shape[0] - 1
+    for r in range(map_off.shape[0] - 1):
+        for e in range(map_off[r], map_off[r + 1]):
+            a = key_off[e]
+            n = key_off[e + 1] - a
+            for j in range(k):
+                w = want_off[j]
+                if out[j, r] >= 0 or want_off[j + 1] - w != n:
+                    continue
+                same = True
+                for t in range(n):
+                    if key_data[a + t] != want_data[w + t]:
+                        same = False
+                        break
+                if same:
+                    out[j, r] = e
+                    break
+
+
+if _jit is not None:
+    _first_hits = _jit(_first_hits)
+
+_compiled = False  # _first_hits compiled (warm_up): the flusher never waits for numba's compiler
+
+
+def warm_up() -> bool:
+    """Compile the lookup pass (from numba's cache after the first start). Until this is done,
+    or without numba, :func:`_lookups` uses Arrow kernels (one walk over the keys per key)."""
+    global _compiled
+    if _jit is None:
+        return False
+    try:
+        arr = pa.array([[("a", "1")]], pa.map_(pa.string(), pa.string()))
+        _compiled = True
+        _compiled = _lookups(arr, ("a",))["a"].to_pylist() == ["1"]
+    except Exception:  # noqa: BLE001 - the Arrow path stays
+        _compiled = False
+        log.warning("cannot compile the phase metrics' lookup pass", exc_info=True)
+    return _compiled
+
+
+def _lookups(col: pa.ChunkedArray | pa.Array, keys: tuple[str, ...]) -> dict[str, pa.Array]:
+    """Each key's value in every row of a string map column ("" where absent or the map is null;
+    the first entry where a key repeats): one compiled pass over the entries for all keys."""
+    if isinstance(col, pa.ChunkedArray):  # (one chunk as it is: combining copies it)
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    else:
+        arr = col
+    if not _compiled or arr.type.key_type != pa.string():
+        return _lookups_arrow(arr, keys)
+    n = len(arr)
+    ks = arr.keys  # the whole child: the map's offsets index it as they are
+    kb = ks.buffers()
+    key_off = np.frombuffer(kb[1], dtype=np.int32, count=len(ks) + 1, offset=ks.offset * 4) if len(ks) else \
+        np.zeros(1, dtype=np.int32)
+    key_data = np.frombuffer(kb[2], dtype=np.uint8) if kb[2] is not None else np.zeros(0, dtype=np.uint8)
+    map_off = arr.offsets.to_numpy()
+    want = [k.encode() for k in keys]
+    want_off = np.zeros(len(want) + 1, dtype=np.int64)
+    want_off[1:] = np.cumsum([len(w) for w in want])
+    pos = np.full((len(keys), n), -1, dtype=np.int64)
+    _first_hits(key_off, key_data, map_off, np.frombuffer(b"".join(want) or b"\0", dtype=np.uint8), want_off, pos)
+    if arr.null_count:
+        pos[:, ~arr.is_valid().to_numpy(zero_copy_only=False)] = -1
+    vs = arr.items
+    return {key: pc.fill_null(pc.take(vs, pa.array(pos[j], mask=pos[j] < 0)), "") for j, key in enumerate(keys)}
+
+
+def _lookups_arrow(arr: pa.Array, keys: tuple[str, ...]) -> dict[str, pa.Array]:
+    """:func:`_lookups` with Arrow kernels: one ``pc.equal`` over the flattened keys per key
+    (``pc.map_lookup`` walks the maps once per key and was slower still)."""
     n = len(arr)
     off = arr.offsets.to_numpy()
     lo, hi = int(off[0]), int(off[-1])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ttftscope.schemas.store import open_store, redact_url
 
-from . import otlp_compiled
+from . import otlp_compiled, phase_metrics
 from .metrics import CollectorMetrics
 from .pipeline import Pipeline
 from .server import CollectorHTTPServer, ServerConfig
@@ -25,6 +25,12 @@ def default_spool_dir(store_url: str, host: str, port: int) -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     key = hashlib.sha256(f"{store_url}|{host}:{port}".encode()).hexdigest()[:16]
     return Path(base) / "ttftscope" / "spool" / key
+
+
+def _warm_up() -> None:
+    """Compile (or load from numba's cache) the collector's compiled passes, off the serving threads."""
+    otlp_compiled.warm_up()
+    phase_metrics.warm_up()
 
 
 class Collector:
@@ -63,7 +69,7 @@ class Collector:
     def start(self) -> Collector:
         # the arrival check's compiled scan and the flush's compiled decode: until they are ready
         # requests are checked in Python and bodies decoded by chDB
-        threading.Thread(target=otlp_compiled.warm_up, name="ttftscope-jit", daemon=True).start()
+        threading.Thread(target=_warm_up, name="ttftscope-jit", daemon=True).start()
         self.pipeline.start()
         self._thread = threading.Thread(target=self.server.serve_forever, name="ttftscope-http", daemon=True)
         self._thread.start()

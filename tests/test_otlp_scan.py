@@ -111,7 +111,7 @@ def test_the_scan_agrees_with_the_python_checks_on_every_kind_of_span(seed, monk
     body = _request(seed).SerializeToString()
     for limits in (None, SMALL_LIMITS):
         fast, slow, used = _both(body, monkeypatch, limits)
-        assert used == [True], "the scan vouched for a well-formed request"
+        assert used and all(used), "the scan vouched for a well-formed request"
         assert fast == slow
 
 
@@ -183,6 +183,136 @@ def test_random_damage_never_makes_the_scan_disagree(monkeypatch):
         fast, slow, used = _both(body, monkeypatch)
         assert fast == slow, trial
         compared += 1
-        scanned += used == [True]
+        scanned += bool(used) and all(used)
     print(f"{compared} damaged requests parsed, {scanned} of them vouched for by the scan")
     assert scanned > 100, "enough damaged requests still parse to say something"
+
+
+def test_the_validation_table_is_the_installed_proto():
+    """``otlp_scan.FIELDS`` says what every field of every message a request can hold is; it
+    must be exactly the installed opentelemetry-proto's (a field it lacks is never judged, one
+    it gets wrong would let upb disagree)."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    kinds = {F.TYPE_STRING: otlp_scan.F_STRING, F.TYPE_BYTES: otlp_scan.F_BYTES, F.TYPE_MESSAGE: otlp_scan.F_MSG,
+             F.TYPE_FIXED64: otlp_scan.F_FIXED64, F.TYPE_DOUBLE: otlp_scan.F_FIXED64, F.TYPE_SFIXED64: otlp_scan.F_FIXED64,
+             F.TYPE_FIXED32: otlp_scan.F_FIXED32, F.TYPE_FLOAT: otlp_scan.F_FIXED32, F.TYPE_SFIXED32: otlp_scan.F_FIXED32,
+             **{t: otlp_scan.F_VARINT for t in (F.TYPE_UINT32, F.TYPE_UINT64, F.TYPE_INT32, F.TYPE_INT64, F.TYPE_ENUM,
+                                                 F.TYPE_BOOL)}}
+    ours: dict[int, dict[int, tuple[int, int]]] = {}
+    for m, f, k, c in otlp_scan.FIELDS:
+        ours.setdefault(m, {})[f] = (k, c)
+    number: dict[str, int] = {}
+    todo, installed = [(trace_service_pb2.ExportTraceServiceRequest.DESCRIPTOR, otlp_scan.REQ)], {}
+    while todo:
+        d, m = todo.pop()
+        if d.full_name in number:
+            assert number[d.full_name] == m, d.full_name
+            continue
+        number[d.full_name] = m
+        installed[m] = {}
+        for f in d.fields:
+            child = ours.get(m, {}).get(f.number, (None, None))[1] if f.message_type else 0
+            installed[m][f.number] = (kinds[f.type], child)
+            if f.message_type:
+                assert child is not None, f"{d.full_name}.{f.name} is not in otlp_scan.FIELDS"
+                todo.append((f.message_type, child))
+    assert installed == ours
+
+
+def _damaged(rng: random.Random, base: bytes) -> bytes:
+    b = bytearray(base)
+    for _ in range(rng.randint(1, 3)):
+        op, i = rng.random(), rng.randrange(len(b))
+        if op < 0.6:
+            b[i] = rng.randrange(256)
+        elif op < 0.8:
+            del b[i:i + rng.randint(1, 8)]
+        else:
+            b[i:i] = b[i:i + rng.randint(1, 16)]
+    return bytes(b)
+
+
+def _upb_parses(body: bytes) -> bool:
+    try:
+        trace_service_pb2.ExportTraceServiceRequest().ParseFromString(body)
+        return True
+    except Exception:  # noqa: BLE001 - any refusal
+        return False
+
+
+def test_validation_vouches_only_for_what_upb_parses():
+    """Whatever ``validate`` says upb would parse, upb parses: on valid requests, thousands of
+    damaged ones, invalid UTF-8 in every kind of string, unknown fields and deep nesting. And it
+    does vouch for the valid ones (else the receiver would parse everything, as before)."""
+    rng = random.Random(11)
+    valid = [_request(s).SerializeToString() for s in range(6)] + [plugin_like_request(60, seed=2, t0=NOW)]
+    for body in valid:
+        assert otlp_scan.validate(body) is not None
+    vouched = refused_by_upb = 0
+    for _ in range(4000):
+        body = _damaged(rng, rng.choice(valid))
+        v = otlp_scan.validate(body)
+        ok = _upb_parses(body)
+        refused_by_upb += not ok
+        if v is not None:
+            vouched += 1
+            assert ok, body
+            r = trace_service_pb2.ExportTraceServiceRequest()
+            r.ParseFromString(body)
+            assert v[:2] == (sum(len(ss.spans) for rs in r.resource_spans for ss in rs.scope_spans),
+                             sum(len(rs.scope_spans) for rs in r.resource_spans))
+    assert vouched > 500 and refused_by_upb > 500, (vouched, refused_by_upb)
+    # invalid UTF-8 (a lone continuation byte, an overlong form, a surrogate, past U+10FFFF, cut
+    # short) in a string of each message that has one: upb refuses, the validation does not vouch
+    bad = [b"\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82", b"ok\xff"]
+    good = ["é", "€", "𝄞", "plain"]
+    setters = [lambda r, s: setattr(r.resource_spans[0], "schema_url", s),
+               lambda r, s: setattr(r.resource_spans[0].scope_spans[0].scope, "name", s),
+               lambda r, s: setattr(r.resource_spans[0].scope_spans[0].spans[0], "name", s),
+               lambda r, s: setattr(r.resource_spans[0].scope_spans[0].spans[0].status, "message", s),
+               lambda r, s: setattr(r.resource_spans[0].resource.attributes[0], "key", s),
+               lambda r, s: setattr(r.resource_spans[0].resource.attributes[0].value, "string_value", s)]
+    marker = "\u2603MARK\u2603"
+    for setter in setters:
+        for text in good:
+            r = _request(1)
+            setter(r, text)
+            assert otlp_scan.validate(r.SerializeToString()) is not None, text
+        for raw in bad:
+            r = _request(1)
+            setter(r, marker)
+            body = r.SerializeToString().replace(marker.encode(), raw.ljust(len(marker.encode()), b"a"))
+            assert not _upb_parses(body), raw
+            assert otlp_scan.validate(body) is None, raw
+    # an unknown field (not judged: parsed by upb, which keeps it) and nesting past MAX_DEPTH
+    unknown = valid[0] + b"\xa8\x1f\x05"
+    assert _upb_parses(unknown) and otlp_scan.validate(unknown) is None
+    r = _request(1)
+    v = r.resource_spans[0].scope_spans[0].spans.add().attributes.add().value
+    for _ in range(otlp_scan.MAX_DEPTH):
+        v = v.array_value.values.add()
+    v.string_value = "deep"
+    assert _upb_parses(r.SerializeToString()) and otlp_scan.validate(r.SerializeToString()) is None
+
+
+def test_a_plugin_like_request_is_accepted_without_parsing(monkeypatch):
+    """The common request (spans all fine, small resources) never reaches upb's parse; a request
+    with a span to reject still does (and gets the same answer as without the shortcut)."""
+    from ttftscope.collector import otlp
+
+    class NoParse:
+        def ExportTraceServiceRequest(self):  # noqa: N802 - the module attribute it stands for
+            raise AssertionError("parsed")
+
+    body = plugin_like_request(300, seed=5, t0=NOW - 10**9)
+    with monkeypatch.context() as m:
+        m.setattr(otlp, "trace_service_pb2", NoParse())
+        got = accept_protobuf(body, now_ns=NOW)
+        assert got.body is body and got.report.accepted == 300 and not got.events_links
+        r = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+        r.resource_spans[0].scope_spans[0].spans[7].trace_id = bytes(16)
+        with pytest.raises(AssertionError, match="parsed"):
+            accept_protobuf(r.SerializeToString(), now_ns=NOW)
+    got = accept_protobuf(r.SerializeToString(), now_ns=NOW)
+    assert (got.report.accepted, got.report.rejected) == (299, 1)
