@@ -705,7 +705,20 @@ class CollectorHTTPServer:
         self.loop = loop = _new_loop()
         asyncio.set_event_loop(loop)
         try:
-            self._aserver = loop.run_until_complete(loop.create_server(lambda: _Conn(self), sock=self._sock))
+            try:
+                self._aserver = loop.run_until_complete(loop.create_server(lambda: _Conn(self), sock=self._sock))
+            except RuntimeError:  # "Event loop stopped before Future completed": a drain's stop
+                if self.draining:
+                    self._sock.close()
+                    return
+                raise
+            with self._state:
+                # a drain that came while the listener was being set up (a SIGTERM right after
+                # start) found nothing to close, and its stop may have ended the set-up's run
+                if self.draining:
+                    self._aserver.close()
+                    loop.run_until_complete(asyncio.wait_for(self._aserver.wait_closed(), 1.0))
+                    return
             loop.call_later(self._sweep_every(), self._sweep)
             loop.run_forever()
             for c in list(self.conns):
@@ -802,6 +815,10 @@ class CollectorHTTPServer:
             self._busy -= 1
             self._state.notify_all()
 
+    def _stop_listening(self) -> None:
+        if self._aserver is not None:  # (None: still being set up; serve_forever closes it)
+            self._aserver.close()
+
     def drain(self, timeout: float = 30.0) -> bool:
         """Stop accepting, refuse new requests, wait for those in flight, close idle
         keep-alive connections. True when nothing was still in flight at the end."""
@@ -810,7 +827,7 @@ class CollectorHTTPServer:
         loop = self.loop
         running = loop is not None and not self._stopped.is_set()
         if running:
-            loop.call_soon_threadsafe(self._aserver.close)  # no new connection
+            loop.call_soon_threadsafe(self._stop_listening)  # no new connection
         else:
             self._sock.close()
         deadline = time.monotonic() + timeout

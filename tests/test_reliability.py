@@ -7,6 +7,7 @@ store afterwards, read back through ``ttftscope sql`` in another process.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import os
 import signal
@@ -547,3 +548,34 @@ def test_backslash_in_a_bound_parameter_is_found(collector_factory):
                                     "WHERE SpanAttributes['ttftscope.request.id'] = {rid:String}",
                          params={"rid": "cmpl-a\\b\\n"})
     assert int(rows[0]["n"]) == 1
+
+
+def test_a_drain_while_the_listener_is_still_being_set_up(tmp_path, monkeypatch):
+    """A SIGTERM right after start (the listener not set up yet) stops the collector cleanly: it
+    crashed (exit 1, 'NoneType' has no attribute 'close') when the drain found no listener."""
+    from ttftscope.collector import server as srv
+    from ttftscope.collector.service import Collector
+
+    real = srv._new_loop
+
+    def slow_loop():
+        loop = real()
+        make = loop.create_server
+
+        async def create_server(*a, **kw):  # the set-up takes a while (a loaded machine)
+            await asyncio.sleep(0.5)
+            return await make(*a, **kw)
+        loop.create_server = create_server
+        return loop
+
+    monkeypatch.setattr(srv, "_new_loop", slow_loop)
+    col = Collector(str(tmp_path / "store"), srv.ServerConfig(host="127.0.0.1", port=0), spool_dir=tmp_path / "spool")
+    t = threading.Thread(target=col.server.serve_forever, daemon=True)
+    t.start()
+    time.sleep(0.1)  # the loop exists, its listener does not yet
+    assert col.server.drain(timeout=5)
+    t.join(5)
+    assert not t.is_alive(), "the receiver's thread ended"
+    with pytest.raises(OSError):
+        socket.create_connection(col.server.server_address[:2], timeout=1).close()
+    col.spool.close()
