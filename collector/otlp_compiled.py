@@ -397,13 +397,54 @@ def _gather(buf, off, n, hexed):
     return offsets, data
 
 
-def _value_text(buf, at, k):
-    """The first ``k`` attributes' values as the text the store keeps (doubles left empty:
-    spelled in Python)."""
+def _gather_sizes(n, hexed, offsets, base):
+    """Pass 1 of :func:`_gather_fill`, no byte read: column ``c``'s string offsets
+    (``offsets[c]``, from 0) and where its bytes start in the shared data (``base[c]``)."""
+    k, m = n.shape
+    base[0] = 0
+    for c in range(m):
+        total = 0
+        offsets[c, 0] = 0
+        for i in range(k):
+            total += n[i, c] * (2 if hexed[c] else 1)
+            offsets[c, i + 1] = total
+        base[c + 1] = base[c] + total
+
+
+def _gather_fill(buf, off, n, hexed, offsets, base, data):
+    """Several string columns of the same rows gathered in one pass, row by row (``off``,
+    ``n``: (rows, columns)): a row's fields lie together in the body, so each of its cache
+    lines is read once — a pass per column read the whole segment again each time, and on a
+    segment larger than the caches that was most of the gathering."""
+    k, m = n.shape
+    digits = np.array([48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 97, 98, 99, 100, 101, 102], dtype=np.uint8)
+    for i in range(k):
+        for c in range(m):
+            s = off[i, c]
+            p = base[c] + offsets[c, i]
+            if hexed[c]:
+                for j in range(n[i, c]):
+                    b = buf[s + j]
+                    data[p + 2 * j] = digits[b >> 4]
+                    data[p + 2 * j + 1] = digits[b & 15]
+            else:
+                for j in range(n[i, c]):
+                    data[p + j] = buf[s + j]
+
+
+def _kv_text(buf, at, k):
+    """The first ``k`` attributes' keys and values as the text the store keeps (doubles left
+    empty: spelled in Python): (key offsets, key bytes, value offsets, value bytes), filled in
+    one pass (an attribute's key and value lie together in the body)."""
+    koffsets = np.empty(k + 1, dtype=np.int32)
     offsets = np.empty(k + 1, dtype=np.int32)
+    koffsets[0] = 0
     offsets[0] = 0
+    ktotal = 0
     total = 0
     for i in range(k):
+        ktotal += at[i, AT_KEYN]
+        koffsets[i + 1] = ktotal
         t = at[i, AT_TYPE]
         if t == V_STR:
             total += at[i, AT_VALN]
@@ -418,8 +459,13 @@ def _value_text(buf, at, k):
                 digits += 1
             total += digits + (1 if v < 0 else 0)
         offsets[i + 1] = total
+    kdata = np.empty(ktotal, dtype=np.uint8)
     data = np.empty(total, dtype=np.uint8)
     for i in range(k):
+        s = at[i, AT_KEY]
+        p = koffsets[i]
+        for j in range(at[i, AT_KEYN]):
+            kdata[p + j] = buf[s + j]
         p = offsets[i]
         t = at[i, AT_TYPE]
         if t == V_STR:
@@ -442,7 +488,7 @@ def _value_text(buf, at, k):
                     break
             if v < 0:
                 data[p] = 45
-    return offsets, data
+    return koffsets, kdata, offsets, data
 
 
 if _jit is not None:
@@ -453,7 +499,9 @@ if _jit is not None:
     _body = _jit(_body)
     _walk = _jit(_walk)
     _gather = _jit(_gather)
-    _value_text = _jit(_value_text)
+    _gather_sizes = _jit(_gather_sizes)
+    _gather_fill = _jit(_gather_fill)
+    _kv_text = _jit(_kv_text)
 
 
 def _strings(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
@@ -462,6 +510,18 @@ def _strings(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
 
 def _text(buf: np.ndarray, off: np.ndarray, n: np.ndarray, hexed: bool = False) -> pa.Array:
     return _strings(*_gather(buf, off, n, hexed))
+
+
+def _texts(buf: np.ndarray, off: np.ndarray, n: np.ndarray, hexed: tuple[bool, ...]) -> list[pa.Array]:
+    """String columns of the same rows (``off``, ``n``: (rows, columns)) gathered in one pass."""
+    k, m = n.shape
+    hx = np.array(hexed, dtype=np.bool_)
+    offsets = np.empty((m, k + 1), dtype=np.int32)
+    base = np.empty(m + 1, dtype=np.int64)
+    _gather_sizes(n, hx, offsets, base)
+    data = np.empty(int(base[-1]), dtype=np.uint8)
+    _gather_fill(buf, off, n, hx, offsets, base, data)
+    return [_strings(offsets[c], data[base[c]:base[c + 1]]) for c in range(m)]
 
 
 #: each thread's tables for the walk and its gathers, kept from flush to flush (see _tables)
@@ -484,8 +544,8 @@ def _maps(buf: np.ndarray, at: np.ndarray, bits: np.ndarray, an: np.ndarray, fir
         for c in range(N_AT):  # column by column: a 2-D fancy index and a copy to column-major cost 3x
             np.take(at[:, c], rows, out=gathered[:k, c])
         at, bits = gathered, bits[rows]
-    keys = _text(buf, at[:k, AT_KEY], at[:k, AT_KEYN])
-    values = _strings(*_value_text(buf, at, k))
+    ko, kd, vo, vd = _kv_text(buf, at, k)
+    keys, values = _strings(ko, kd), _strings(vo, vd)
     is_dbl = at[:k, AT_TYPE] == V_DBL
     if is_dbl.any():
         from .otlp import format_double
@@ -541,6 +601,11 @@ def _one_buffer(bodies: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(bodies), dtype=np.uint8), ends - np.array([len(b) for b in bodies]), ends
 
 
+#: the span's string fields (offset columns; each length is the next column), hex or not
+_TEXT_AT = np.array([SP_TID, SP_SID, SP_PID, SP_TS, SP_NAME, SP_MSG])
+_TEXT_HEX = (True, True, True, False, False, False)
+
+
 def decode(bodies: list) -> tuple[pa.Table, list[int]]:
     """The rows of the ``bodies`` this pass takes (``ARROW_SCHEMA``, in order of start time)
     and the indices of those it leaves to ``otlp_sql.decode_bodies``. Without numba, or before
@@ -590,13 +655,17 @@ def decode(bodies: list) -> tuple[pa.Table, list[int]]:
     res_of = pa.array(col(SP_RES))
     scope_of = pa.array(col(SP_SCOPE))
     svc = pc.fill_null(pc.map_lookup(res_maps, "service.name", "first"), "")  # one per resource
+    at_, n_ = sp[:n_sp, _TEXT_AT], sp[:n_sp, _TEXT_AT + 1]
+    if order is not None:
+        at_, n_ = at_[order], n_[order]
+    tid, sid, pid, tstate, name, msg = _texts(buf, at_, n_, _TEXT_HEX)
     cols = {
         "Timestamp": pa.array(start).cast(pa.timestamp("ns")).cast(ARROW_SCHEMA.field("Timestamp").type),
-        "TraceId": _text(buf, col(SP_TID), col(SP_TIDN), hexed=True),
-        "SpanId": _text(buf, col(SP_SID), col(SP_SIDN), hexed=True),
-        "ParentSpanId": _text(buf, col(SP_PID), col(SP_PIDN), hexed=True),
-        "TraceState": _text(buf, col(SP_TS), col(SP_TSN)),
-        "SpanName": _text(buf, col(SP_NAME), col(SP_NAMEN)),
+        "TraceId": tid,
+        "SpanId": sid,
+        "ParentSpanId": pid,
+        "TraceState": tstate,
+        "SpanName": name,
         "SpanKind": _enum(col(SP_KIND), SPAN_KINDS),
         "ServiceName": pc.take(svc, res_of),
         "ResourceAttributes": pc.take(res_maps, res_of),
@@ -605,7 +674,7 @@ def decode(bodies: list) -> tuple[pa.Table, list[int]]:
         "SpanAttributes": _maps(buf, at, dbl, an, first_at),
         "Duration": pa.array(end - start.view(np.uint64)),
         "StatusCode": _enum(col(SP_CODE), STATUS_CODES),
-        "StatusMessage": _text(buf, col(SP_MSG), col(SP_MSGN)),
+        "StatusMessage": msg,
     }
     zeros = pa.array(np.zeros(n_sp + 1, dtype=np.int32))
     arrays = [cols[f.name].cast(f.type) if f.name in cols
