@@ -182,6 +182,7 @@ def allreduce_concurrency(ctx: Context, min_steps: int = 50) -> list[Finding]:
                      f"allreduce time grows {per10:.0%} per +10 concurrent requests (r={r:.2f})",
                      steps=s.height, allreduce_ms_at_min=float(a + b * x.min()) / 1e6,
                      allreduce_ms_at_max=float(a + b * x.max()) / 1e6, correlation=r,
+                     slope_ms_per_request=float(b) / 1e6, running_min=int(x.min()), running_max=int(x.max()),
                      trace_ids=worst["trace_id"].to_list(), request_ids=reqs["request_id"].to_list())]
 
 

@@ -33,6 +33,11 @@ PLANTED = ROOT / "tests" / "planted"  # the test-only vLLM plugin that plants a 
 STALL_MS = 25.0
 TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts' median
 ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
+#: planted per row (token) of every all-reduce's input in the growing part: at 24 decoding requests
+#: and the tiny model's 5 all-reduces a step, 23 ms a step more than at one. The collectives of two
+#: ranks on two shared cores take ~10 ms a step here, give or take 5, whatever the batch: 50 us a row
+#: (+6 ms at 24) was lost in that noise (correlation too weak for a finding, 2026-12-01)
+ALLREDUCE_US_PER_ROW = 200.0
 UPDATE_MS = 10.0  # planted in the engine core's update_from_output, every step (host and busy parts)
 #: the engine loop's pause after every step in the bubbles part's paused bursts: about a prefill
 #: step, so that the idle loop, not the bursts' own queue, is the larger cause of their wait on
@@ -429,6 +434,31 @@ def drive_switched(srv: VllmServer, flag: Path, n: int = 16) -> list[dict]:
             time.sleep(0.05)
         until = time.time()
         out += [{**r, "until": until} for r in rows]
+    return out
+
+
+def drive_growth(srv: VllmServer, row_flag: Path, sizes: tuple[int, ...] = (1, 4, 8, 12, 16, 20, 24),
+                 max_tokens: int = 24) -> list[dict]:
+    """Bursts of 1 to 24 streaming requests at once (short prompts, exactly ``max_tokens``
+    tokens each, read to the end), one after the other finished: decode steps at every
+    concurrency in between. Twice: ``part`` "flat", then "growing" once ``row_flag`` exists (a
+    collective that grows with the step's tokens, PLANTED_ALLREDUCE_US_PER_ROW); each row with
+    its part's ``since`` and ``until``."""
+    out = []
+    for part in ("flat", "growing"):
+        if part == "growing":
+            row_flag.touch()
+            time.sleep(0.5)
+        since, rows = time.time(), []
+        for b, size in enumerate(sizes):
+            q = [{"port": srv.port, "model": srv.model, "prompt": prompt_of(4, 1700 + b * 50 + i), "stream": True,
+                  "max_tokens": max_tokens, "ignore_eos": True} for i in range(size)]
+            rows += [{**_row(a), "stream": True, "part": part, "since": since}
+                     for a in _Stopwatch.ask({"burst": q})["burst"]]
+            time.sleep(0.2)
+        until = time.time()
+        out += [{**r, "until": until} for r in rows]
+    row_flag.unlink()
     return out
 
 

@@ -17,6 +17,10 @@ by environment variables, read in the process where the cause belongs:
   exists (a slow interconnect), inside the collective (under the communicator's
   ``all_reduce``, where ttftscope times it in eager mode). The flag lets one server run
   clean, then slowed.
+* ``PLANTED_ALLREDUCE_US_PER_ROW`` (with ``PLANTED_ALLREDUCE_ROW_FLAG``, a path): while that flag
+  exists every all-reduce takes this much longer per row of its input (a step's tokens: a
+  collective whose time grows with the batch, as a bandwidth-bound interconnect's does); each
+  worker step's count of all-reduces and their rows is appended to ``<flag>.steps``.
 * ``PLANTED_SWITCH_DIR`` (a directory): the delivery stall, the execute and update slowness,
   the loop pause and the slow tokenizer are then planted only while a file named after their variable exists there
   (``PLANTED_DELIVER_STALL_MS`` ...), so that one server runs clean, then with one fault, then
@@ -89,12 +93,13 @@ def _slow_tokenizer(us_per_token: float, on) -> None:
     BaseRenderer._tokenize_prompt = tokenize  # bound per renderer at its __init__: patch before
 
 
-def _slow_allreduce(ms: float, flag: str) -> None:
+def _slow_allreduce(ms: float, flag: str | None, us_per_row: float = 0.0, row_flag: str | None = None) -> None:
     from vllm.distributed.device_communicators import cpu_communicator as cc
 
     orig_init = cc.CpuCommunicator.__init__
     if getattr(orig_init, "_planted", False):
         return
+    step = [0, 0]  # all-reduces and their rows in the worker step under way (row plant on)
 
     class Slowed:
         def __init__(self, inner) -> None:
@@ -104,9 +109,32 @@ def _slow_allreduce(ms: float, flag: str) -> None:
             return getattr(self.inner, name)
 
         def all_reduce(self, *a, **kw):
-            if os.path.exists(flag):
+            if flag and os.path.exists(flag):
                 time.sleep(ms / 1000)
+            if row_flag and os.path.exists(row_flag) and a and getattr(a[0], "dim", lambda: 0)():
+                rows = int(a[0].shape[0])  # a step's tokens: its running requests when it only decodes
+                time.sleep(us_per_row * rows / 1e6)
+                step[0] += 1
+                step[1] += rows
             return self.inner.all_reduce(*a, **kw)
+
+    if row_flag:  # what was planted, step by step, for the test to check the finding against:
+        # "<all-reduces> <their rows>" per worker step, appended to <row_flag>.steps
+        from vllm.v1.worker import gpu_worker
+
+        orig_exec = gpu_worker.Worker.execute_model
+
+        @functools.wraps(orig_exec)
+        def execute_model(self, *a, **kw):
+            step[0] = step[1] = 0
+            try:
+                return orig_exec(self, *a, **kw)
+            finally:
+                if step[0]:
+                    with open(row_flag + ".steps", "a") as f:
+                        f.write(f"{step[0]} {step[1]}\n")
+
+        gpu_worker.Worker.execute_model = execute_model
 
     @functools.wraps(orig_init)
     def init(self, *a, **kw):
@@ -195,8 +223,10 @@ def register() -> None:
     if first_ms > 0:
         _slow_first_steps(first_ms, int(os.environ.get("PLANTED_FIRST_STEPS", "0") or 0))
     allreduce, flag = float(os.environ.get("PLANTED_ALLREDUCE_MS", "0") or 0), os.environ.get("PLANTED_ALLREDUCE_FLAG")
-    if allreduce > 0 and flag:
-        _slow_allreduce(allreduce, flag)
+    per_row, row_flag = (float(os.environ.get("PLANTED_ALLREDUCE_US_PER_ROW", "0") or 0),
+                         os.environ.get("PLANTED_ALLREDUCE_ROW_FLAG"))
+    if (allreduce > 0 and flag) or (per_row > 0 and row_flag):
+        _slow_allreduce(allreduce, flag if allreduce > 0 else None, per_row, row_flag if per_row > 0 else None)
     if "api_server" not in " ".join(sys.argv):
         return
     per_token = float(os.environ.get("PLANTED_TOKENIZE_US_PER_TOKEN", "0") or 0)
