@@ -64,7 +64,7 @@ case "$what" in
     rc=0
     .venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadfile || rc=$?
     echo "==> pytest (slow tier)"
-    .venv/bin/python -m pytest -q -m slow || rc=$?
+    .venv/bin/python -m pytest -q -m slow --durations=20 || rc=$?  # (where its ~40 min go)
     exit $rc ;;
   fast)
     debian_tools
