@@ -562,9 +562,11 @@ def _accept_unparsed(body: bytes, lim: Limits, lo: int, hi: int, max_dur: int, s
 
 
 def accept_protobuf(body: bytes, limits: Limits | None = None, now_ns: int | None = None) -> Accepted:
-    """Check a binary ``ExportTraceServiceRequest`` the way :func:`decode_protobuf` does. What the store keeps is decoded later, in bulk, by chDB
-    (``otlp_sql``); this pass reads a few fields per span and nothing per attribute, except
-    for spans that may exceed a limit (big ones, many attributes, events or links)."""
+    """Check a binary ``ExportTraceServiceRequest`` the way :func:`decode_protobuf` does. What the
+    store keeps is decoded later, in bulk (``otlp_compiled``, ``otlp_sql``); this pass reads a few
+    fields per span and nothing per attribute, except for spans that may exceed a limit (big
+    ones, many attributes, events or links). The common request is not parsed at all
+    (:func:`_accept_unparsed`)."""
     lim = limits or Limits()
     now = now_ns if now_ns is not None else time.time_ns()
     lo, hi, max_dur = lim.min_start_ns, now + lim.max_future_ns, lim.max_duration_ns

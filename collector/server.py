@@ -712,13 +712,14 @@ class CollectorHTTPServer:
                     self._sock.close()
                     return
                 raise
-            with self._state:
-                # a drain that came while the listener was being set up (a SIGTERM right after
-                # start) found nothing to close, and its stop may have ended the set-up's run
-                if self.draining:
-                    self._aserver.close()
+            if self.draining:  # a drain came while the listener was being set up (a SIGTERM right
+                # after start): it found nothing to close (a later one closes it: _stop_listening)
+                self._aserver.close()
+                try:
                     loop.run_until_complete(asyncio.wait_for(self._aserver.wait_closed(), 1.0))
-                    return
+                except Exception:  # noqa: BLE001 - closing anyway
+                    pass
+                return
             loop.call_later(self._sweep_every(), self._sweep)
             loop.run_forever()
             for c in list(self.conns):
