@@ -127,6 +127,8 @@ def _lookups(col: pa.ChunkedArray | pa.Array, keys: tuple[str, ...]) -> dict[str
         np.zeros(1, dtype=np.int32)
     key_data = np.frombuffer(kb[2], dtype=np.uint8) if kb[2] is not None else np.zeros(0, dtype=np.uint8)
     map_off = arr.offsets.to_numpy()
+    for a in (key_off, key_data, map_off):  # all read-only: one compiled signature, whatever the source
+        a.flags.writeable = False
     want = [k.encode() for k in keys]
     want_off = np.zeros(len(want) + 1, dtype=np.int64)
     want_off[1:] = np.cumsum([len(w) for w in want])
