@@ -658,6 +658,9 @@ def decode(bodies: list) -> tuple[pa.Table, list[int]]:
     at_, n_ = sp[:n_sp, _TEXT_AT], sp[:n_sp, _TEXT_AT + 1]
     if order is not None:
         at_, n_ = at_[order], n_[order]
+    # row-major, whatever the indexing gave (column-major unsorted, row-major sorted): one compiled
+    # signature, the one warm_up compiles, so that a flush never waits for numba's compiler
+    at_, n_ = np.ascontiguousarray(at_), np.ascontiguousarray(n_)
     tid, sid, pid, tstate, name, msg = _texts(buf, at_, n_, _TEXT_HEX)
     cols = {
         "Timestamp": pa.array(start).cast(pa.timestamp("ns")).cast(ARROW_SCHEMA.field("Timestamp").type),
