@@ -3,7 +3,7 @@ here shows up as a rare, unexplained failure of a whole module's fixture)."""
 
 import polars as pl
 
-from support.truth import client_rid
+from support.truth import client_rid, witness_ok
 
 
 def test_client_ids_are_recovered_from_engine_ids():
@@ -14,3 +14,12 @@ def test_client_ids_are_recovered_from_engine_ids():
     got = pl.DataFrame({"r": engine}).select(client_rid(pl.col("r")))["r"].to_list()
     assert got == ["cmpl-9da446c5181aaa93", "cmpl-1234567890123456", "chatcmpl-8949047998111619",
                    "chatcmpl-a3d6ed487267ca56", "cmpl-abc"]
+
+
+def test_the_stopwatch_witness_check_tolerates_a_lone_wait_not_a_habit():
+    """The client's stopwatch counts as a witness when 9 requests in 10 waited under 2 ms for a
+    CPU and none waited 10 ms (support/truth.witness_ok)."""
+    quiet = [0.05] * 95
+    assert witness_ok(pl.DataFrame({"client_cpu_wait_ms": [*quiet, 3.3]}))[0]  # one 3.3 ms wait in 96
+    assert not witness_ok(pl.DataFrame({"client_cpu_wait_ms": [*quiet[:76], *[3.0] * 20]}))[0]  # a fifth waited
+    assert not witness_ok(pl.DataFrame({"client_cpu_wait_ms": [*quiet, 12.0]}))[0]  # one long wait

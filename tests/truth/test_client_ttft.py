@@ -37,6 +37,7 @@ from support.truth import (
     served,
     sized_parts,
     switched_env,
+    witness_ok,
 )
 from support.truth import analyze as _analyze
 
@@ -118,7 +119,8 @@ def test_report_ttft_is_the_clients_per_request(clean):
     # keeps busy, it would time its own waits for a CPU. What is left outside the server's window
     # is the server's: bytes that wait in its socket until its event loop (busy, or itself
     # waiting for a CPU) reads them; now and then one request in a run.
-    assert df["client_cpu_wait_ms"].max() < 2.0, "the stopwatch was served a CPU when it needed one"
+    ok, waits = witness_ok(df)
+    assert ok, f"the stopwatch was served a CPU when it needed one ({waits})"
     close = diff <= (df["client_ms"] * 0.05).clip(lower_bound=2.0)
     assert close.mean() >= 0.9, (diff.to_list(), df["client_ms"].to_list())
     assert diff.median() <= 1.5, diff.describe()

@@ -16,7 +16,15 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from support.truth import FIRST_STEPS, FIRST_STEPS_MS, PLANTED, analyze, drive_cold, served
+from support.truth import (
+    FIRST_STEPS,
+    FIRST_STEPS_MS,
+    PLANTED,
+    analyze,
+    drive_cold,
+    served,
+    witness_ok,
+)
 
 pytestmark = pytest.mark.slow  # real vLLM servers
 
@@ -32,7 +40,8 @@ def test_slow_first_steps_are_named_with_their_size(planted):
     from ttftscope.analyzer.impact import REMOVED
 
     df, store = planted
-    assert df["client_cpu_wait_ms"].max() < 2.0, "the stopwatch was served a CPU when it needed one"
+    ok, waits = witness_ok(df)
+    assert ok, f"the stopwatch was served a CPU when it needed one ({waits})"
     report = analyze(store, "cold1")
     top = report["findings"][0]
     assert top["kind"] == "cold_requests", [(f["kind"], f.get("impact_ms")) for f in report["findings"]]

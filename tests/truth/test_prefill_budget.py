@@ -23,7 +23,13 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from support.truth import SHARED_CORES_TOLERANCE, part_report, served_budget, sized_budget
+from support.truth import (
+    SHARED_CORES_TOLERANCE,
+    part_report,
+    served_budget,
+    sized_budget,
+    witness_ok,
+)
 
 pytestmark = pytest.mark.slow  # a real vLLM server
 
@@ -37,7 +43,8 @@ def test_a_small_prefill_budget_is_named_with_its_size(blocks):
     df, store = blocks
     small, large = df.filter(pl.col("small")), df.filter(~pl.col("small"))
     assert small["chunks"].median() >= 12 and (large["chunks"] == 1).all(), "the budgets split the prompts as planned"
-    assert df["client_cpu_wait_ms"].max() < 2.0, "the stopwatch was served a CPU when it needed one"
+    ok, waits = witness_ok(df)
+    assert ok, f"the stopwatch was served a CPU when it needed one ({waits})"
     s = sized_budget(df, store, "budget")
     print(s)
     assert s.effect_ms >= 8, "the small budget reached the client"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.truth import analyze, served_seats
+from support.truth import analyze, served_seats, witness_ok
 
 pytestmark = pytest.mark.slow  # real vLLM servers
 
@@ -49,7 +49,8 @@ def test_requests_waiting_for_a_seat_are_named_with_their_size(full, roomy, part
     df, store = full
     base, base_store = roomy
     df, base = df.filter(df["part"] == part), base.filter(base["part"] == part)
-    assert df["client_cpu_wait_ms"].max() < 2.0, "the stopwatch was served a CPU when it needed one"
+    ok, waits = witness_ok(df)
+    assert ok, f"the stopwatch was served a CPU when it needed one ({waits})"
     effect = float(df["client_ms"].median() - base["client_ms"].median())
     print(f"{part}: the seats cost the client {effect:.1f} ms at p50; queue p50 {df['queue'].median() / 1e6:.1f} ms "
           f"(128 seats: {base['queue'].median() / 1e6:.1f} ms)")
