@@ -294,12 +294,17 @@ def drive_burst(srv: VllmServer, bursts: int = 3, size: int = 12, max_tokens: in
     return out
 
 
-def drive_bubbles(srv: VllmServer, switches: Path, bursts: int = 8, size: int = 6) -> list[dict]:
+def drive_bubbles(srv: VllmServer, switches: Path, bursts: int = 24, size: int = 6) -> list[dict]:
     """Bursts of ``size`` streaming requests at once (80-word prompts, one token each: more
     prompt tokens than one step computes, so most wait in the queue for a few steps), the
     engine loop's pause after every step (PLANTED_LOOP_PAUSE_MS) switched on for every other
     burst: paused and clean bursts share every condition of the run. One clean burst first,
-    not measured: the part's first burst is slower for reasons of its own. Rows: ``paused``."""
+    not measured: the part's first burst is slower for reasons of its own. Rows: ``paused``.
+    Twelve bursts of each (~18 s): a paused burst's TTFTs come in clusters a pause apart (60,
+    150, 250, 380 ms here), so a p50 over few of them jumps with the cluster it lands in. What
+    the pauses cost the client at p50, for a finding steady at 103-107 ms (2026-12-02, one
+    server, four parts each): four bursts of each read 86-120 ms (75 in a CI run), twelve
+    84-112 (their mean difference 88-102: the pauses' side effects vary too)."""
     flag = switches / "PLANTED_LOOP_PAUSE_MS"
     out = []
     for b in range(-1, bursts):  # burst -1: clean, unmeasured (a part's first burst ran ~35% slower here)
