@@ -59,7 +59,10 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
           .with_columns(((pl.col("prev_max").is_null()) | (pl.col("s") > pl.col("prev_max"))).cast(pl.Int32)
                         .cum_sum().over("trace").alias("block")))
     blocks = (lo.group_by("trace", "block").agg(pl.col("s").min(), pl.col("e").max(),
-                                                pl.col("name").first().alias("first"), pl.col("name").last().alias("last"))
+                                                pl.col("name").first().alias("first"),
+                                                # a gap follows the span that ended last before it
+                                                # (nested spans: not the one that started last)
+                                                pl.col("name").sort_by("e").last().alias("last"))
               .sort("trace", "s")
               .with_columns(pl.col("e").shift(1).over("trace").alias("prev_e"),
                             pl.col("last").shift(1).over("trace").alias("prev_name")))

@@ -57,8 +57,11 @@ def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans
     assert len(runs) == 1 and runs[0]["r"].startswith("demo-")
 
 
-@pytest.fixture
-def served(tmp_path):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One collector and vLLM server (vLLM's defaults) for the ``ttftscope run`` tests; the
+    test that kills the server mid-profile is the last to use it."""
+    tmp_path = tmp_path_factory.mktemp("served")
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
     srv = VllmServer(tmp_path, col.url + "/v1/traces", run="run-test").start()
     yield col, srv
@@ -93,21 +96,27 @@ def test_run_against_a_running_server_is_a_ci_gate(served, tmp_path):
 @pytest.mark.slow
 def test_server_killed_mid_profile_is_reported_and_collected_data_kept(served, tmp_path):
     col, srv = served
+    since = time.time_ns()  # the server is shared: this profile's requests are the ones after this
     prof = tmp_path / "p.yaml"
     prof.write_text("name: long\nrequest_rate: 4\nnum_prompts: 200\ninput_len: 128\noutput_len: 8\n")
     p = subprocess.Popen([PY, "-m", "ttftscope", "run", "--store", col.store, "--server", srv.url, "--profile", str(prof)],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300  # until requests of the profile have reached the store, then kill
     while time.monotonic() < deadline and p.poll() is None:
-        if int(ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'llm_request'")[0]["n"]):
+        if _requests_since(col.store, since):
             break
         time.sleep(1)
     os.killpg(srv.proc.pid, signal.SIGKILL)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 3, (out[-1500:], err[-1500:])
     assert "exited during profile" in err and "kept" in err
-    n = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'llm_request'")[0]["n"]
-    assert int(n) > 0, "what was collected before the kill is in the store"
+    assert _requests_since(col.store, since) > 0, "what was collected before the kill is in the store"
+
+
+def _requests_since(store: str, since_ns: int) -> int:
+    """vLLM's ``llm_request`` spans in ``store`` that started at or after ``since_ns``."""
+    return int(ttftscope_sql(store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'llm_request' "
+                                    "AND Timestamp >= fromUnixTimestamp64Nano({s:Int64})", params={"s": since_ns})[0]["n"])
 
 
 @pytest.mark.slow

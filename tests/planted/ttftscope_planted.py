@@ -35,11 +35,16 @@ by environment variables, read in the process where the cause belongs:
 * ``PLANTED_FIRST_STEPS_MS`` with ``PLANTED_FIRST_STEPS`` (a count): the first that many
   worker steps that carry requests take this much longer (one-off initialisation that the
   first requests after a start pay: lazy kernels, allocator growth, caches warming).
+* ``PLANTED_STARTUP_IDLE_S`` (with ``PLANTED_STARTUP_IDLE_LOG``, a path): the CPU worker waits
+  this long once its weights are loaded, before it profiles memory and warms up (compiles) the
+  model, outside every loading span (as a lock on a shared cache or a slow mount nobody
+  instrumented would make it wait); it writes the wait's start and end (epoch seconds) to the log.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import sys
 import time
@@ -202,6 +207,26 @@ def _token_budget(tokens: int, on) -> None:
     scheduler.Scheduler.schedule = schedule
 
 
+def _startup_idle(s: float, log: str | None) -> None:
+    from vllm.v1.worker import cpu_worker
+
+    orig = cpu_worker.CPUWorker.determine_available_memory
+    if getattr(orig, "_planted", False):
+        return
+
+    @functools.wraps(orig)
+    def determine_available_memory(self, *a, **kw):
+        t0 = time.time()
+        time.sleep(s)
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{t0} {time.time()}\n")
+        return orig(self, *a, **kw)
+
+    determine_available_memory._planted = True
+    cpu_worker.CPUWorker.determine_available_memory = determine_available_memory
+
+
 def register() -> None:
     execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
     update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
@@ -225,6 +250,9 @@ def register() -> None:
     allreduce, flag = float(os.environ.get("PLANTED_ALLREDUCE_MS", "0") or 0), os.environ.get("PLANTED_ALLREDUCE_FLAG")
     per_row, row_flag = (float(os.environ.get("PLANTED_ALLREDUCE_US_PER_ROW", "0") or 0),
                          os.environ.get("PLANTED_ALLREDUCE_ROW_FLAG"))
+    idle = float(os.environ.get("PLANTED_STARTUP_IDLE_S", "0") or 0)
+    if idle > 0 and "Worker" in multiprocessing.current_process().name:  # a worker process only
+        _startup_idle(idle, os.environ.get("PLANTED_STARTUP_IDLE_LOG"))
     if (allreduce > 0 and flag) or (per_row > 0 and row_flag):
         _slow_allreduce(allreduce, flag if allreduce > 0 else None, per_row, row_flag if per_row > 0 else None)
     if "api_server" not in " ".join(sys.argv):
