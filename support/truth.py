@@ -58,6 +58,10 @@ LOOP_PAUSE_MS = 50
 #: ranks its cause right, and where the planted time is known the finding is held to 15% of it.
 SHARED_CORES_TOLERANCE = 0.40
 FIRST_STEPS_MS, FIRST_STEPS = 150.0, 20  # planted on the first steps after start: ~5 requests of 4 tokens
+#: planted in a worker's start-up, between loading the weights and warming up: a sixth of the
+#: ~40 s a worker's cold start takes here (its idle otherwise ~20 ms), still over the finding's 5 %
+#: on a VM that starts vLLM twice as slowly
+STARTUP_IDLE_S = 8.0
 SHARED = prompt_of(300, 999)
 #: the prefix part's shared prefix (a long system prompt): its misses cost the client a size a
 #: p50 over two dozen requests can tell from the noise

@@ -8,7 +8,8 @@ switched on for one of two twin requests (the other its baseline, in the same co
 host overhead (the engine core 10 ms longer in update_from_output) for a whole part; long-prefix
 requests each sent three times, as a prefix-cache hit and with a cache salt of its own (misses);
 bursts that queue, the engine loop pausing 50 ms after each step in every other burst; a busy
-engine (every worker step 30 ms longer, update 10 ms longer) while other requests decode. The
+engine (every worker step 30 ms longer, update 10 ms longer) while other requests decode. Its
+worker also waited 8 s in its start-up, between loading and warming up (an idle cold start). The
 other server runs shared-prefix traffic with prefix caching off (a start-up flag). The client times every request itself: streaming, until
 the first SSE chunk carrying a token has arrived; non-streaming, until the whole response has.
 """
@@ -29,6 +30,7 @@ from support.truth import (
     SHARED_CORES_TOLERANCE,
     SHARED_LOAD,
     STALL_MS,
+    STARTUP_IDLE_S,
     UPDATE_MS,
     Sized,
     drive_parts,
@@ -47,12 +49,14 @@ pytestmark = pytest.mark.slow  # real vLLM servers
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
-    return served(tmp, "api", env=switched_env(tmp / "switches"),
-                  drive=functools.partial(drive_parts, switches=tmp / "switches"))
+    env = {**switched_env(tmp / "switches"), "PLANTED_STARTUP_IDLE_S": str(STARTUP_IDLE_S),
+           "PLANTED_STARTUP_IDLE_LOG": str(tmp / "startup-idle")}
+    df, store = served(tmp, "api", env=env, drive=functools.partial(drive_parts, switches=tmp / "switches"))
+    return df, store, tmp / "startup-idle"
 
 
 def _part(parts, name: str) -> tuple[pl.DataFrame, str]:
-    df, store = parts
+    df, store, _ = parts
     return df.filter(pl.col("part") == name), store
 
 
@@ -72,7 +76,7 @@ clean, stalled, slowtok, prefix, busy = (
 @pytest.fixture(scope="module")
 def sizes(parts) -> dict[str, Sized]:
     """Each planted cause of the switched run against the client's stopwatch (support/truth.sized_parts)."""
-    return sized_parts(*parts, "api")
+    return sized_parts(*parts[:2], "api")
 
 
 def _within(s: Sized, tol: float) -> None:
@@ -361,3 +365,40 @@ def test_a_quiet_healthy_server_gets_no_finding_above_low(clean):
     for f in report["findings"]:
         if f.get("impact_ms") is not None:
             assert f["impact_ms"]["p99"] <= report["ttft_ms"]["p99"], f
+
+
+def test_an_idle_wait_in_a_workers_start_up_is_named_with_its_size_and_place(parts, nocache):
+    """The switched server's worker waited ``STARTUP_IDLE_S`` between loading its weights and
+    warming up (tests/planted, outside every loading span; the plant logs when it waited): the
+    report over its start names the idle cold start of that worker, its largest gap is the wait
+    the plant timed (within 5%) between the loading it followed and the warm-up, and its idle time
+    is that wait and not much more. The prefix-cache-off server started clean: no such finding."""
+    df, store, log = parts
+    t0, t1 = map(float, log.read_text().split())
+    waited = t1 - t0
+    clean = df.filter(pl.col("part") == "clean")
+    report = _analyze(store, "api", since=t0 - 600, until=clean["until"].max())
+    cold = {c["instance"]: c for c in report["cold_start"]}
+    print("cold starts:", {k: (round(c["cold_start_s"], 1), round(c["idle_s"], 3), c["largest_gap"])
+                           for k, c in cold.items()})
+    (f,) = [f for f in report["findings"] if f["kind"] == "cold_start_gap"]
+    ev = f["evidence"]
+    assert ev["instance"].startswith("worker-"), ev
+    gap = ev["largest_gap"]
+    print(f"the plant waited {waited:.3f} s; the finding: {f['title']}")
+    assert abs(gap["seconds"] - waited) <= 0.05 * waited, (gap, waited)
+    # where it is: between the worker's last span to end before the plant waited and its first
+    # to start after (vLLM's own spans of that process, read from the store as they are)
+    pid = ev["instance"].removeprefix("worker-")
+    around = ttftscope_sql(store, """
+        SELECT argMaxIf(SpanName, e, e <= {t0:Int64}) AS after, argMinIf(SpanName, s, s >= {t1:Int64}) AS before
+        FROM (SELECT SpanName, toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e FROM otel_traces
+              WHERE ResourceAttributes['vllm.process_id'] = {pid:String})""",
+                           params={"t0": int(t0 * 1e9), "t1": int(t1 * 1e9), "pid": pid})[0]
+    assert (gap["after"], gap["before"]) == (around["after"], around["before"]), (gap, around)
+    assert waited <= ev["idle_s"] <= waited + 0.5, ev
+    assert f["size"] == pytest.approx(ev["idle_s"] / ev["cold_start_s"]), f
+    _, base_store = nocache
+    quiet = _analyze(base_store, "nocache")
+    assert "cold_start_gap" not in [x["kind"] for x in quiet["findings"]], quiet["cold_start"]
+    assert quiet["cold_start"] and all(c["idle_share"] < 0.02 for c in quiet["cold_start"]), quiet["cold_start"]
