@@ -32,6 +32,9 @@ from .procs import PY, ROOT, CollectorProc, VllmServer
 PLANTED = ROOT / "tests" / "planted"  # the test-only vLLM plugin that plants a fault of a given size
 STALL_MS = 25.0
 TOKENIZE_US_PER_TOKEN = 1000.0  # a slow tokenizer: ~80 ms at the driven prompts' median
+#: awaited in the API server between rendering a prompt and handing it to the engine (a host gap:
+#: outside every phase; ~0.3 ms there at p50 without it)
+HOST_GAP_MS = 30.0
 ALLREDUCE_MS = 6.0  # planted on every tensor-parallel all-reduce (tests/planted)
 #: planted per row (token) of every all-reduce's input in the growing part: at 24 decoding requests
 #: and the tiny model's 5 all-reduces a step, 23 ms a step more than at one. The collectives of two
@@ -375,6 +378,7 @@ FAULTS = {
     "PLANTED_EXECUTE_MS": "30",
     "PLANTED_UPDATE_MS": str(UPDATE_MS),
     "PLANTED_LOOP_PAUSE_MS": str(LOOP_PAUSE_MS),
+    "PLANTED_HOST_GAP_MS": str(HOST_GAP_MS),
 }
 SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's prompts are the
     # same but for a one-token tag in front, so no part hits another's prefix cache
@@ -383,6 +387,7 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's pr
     # (the stall's 48 pairs: with 24, what the client lost moved by ~+-4 ms around the planted 25)
     "stall": ((), functools.partial(drive_pairs, fault="PLANTED_DELIVER_STALL_MS", tags=("b", "i"), n=48)),
     "slowtok": ((), functools.partial(drive_pairs, fault="PLANTED_TOKENIZE_US_PER_TOKEN", tags=("c", "j"))),
+    "hostgap": ((), functools.partial(drive_pairs, fault="PLANTED_HOST_GAP_MS", tags=("m", "o"))),
     # a fault the finding reads from every step of its window (the engine's host share): the whole
     # part, one token each, against the same load with no fault just before and just after it
     # (this VM's speed drifts by several ms a step within a minute: the two sides cancel a drift),
@@ -616,14 +621,16 @@ def part_report(rows: pl.DataFrame, store: str, run: str) -> dict:
 
 def sized_parts(df: pl.DataFrame, store: str, run: str, only: set[str] | None = None) -> dict[str, Sized]:
     """Every sized part of a ``drive_parts`` run (rows ``df``, served as ``run``): the delivery
-    stall and the slow tokenizer against their clean twins, the engine's host overhead against the
+    stall, the slow tokenizer and the host gap against their clean twins, the engine's host overhead against the
     same load with no fault just before and after it, prefix-cache misses against the hits on
     the same prompts, the bubbles' paused bursts against the clean ones."""
     part = {p: df.filter(pl.col("part") == p) for p in SWITCHED_PARTS}
-    twins = {p: (part[p].filter(pl.col("faulty")), part[p].filter(~pl.col("faulty"))) for p in ("stall", "slowtok")}
+    twins = {p: (part[p].filter(pl.col("faulty")), part[p].filter(~pl.col("faulty")))
+             for p in ("stall", "slowtok", "hostgap")}
     plan = {  # what -> (the part whose window is reported, its finding, faulty rows, baseline rows)
         "stall": ("stall", "deliver_dominates", *twins["stall"]),
         "slowtok": ("slowtok", "tokenize_dominates", *twins["slowtok"]),
+        "hostgap": ("hostgap", "host_gap", *twins["hostgap"]),
         "host": ("host", "engine_host_overhead", part["host"], pl.concat([part["hostbase"], part["hostafter"]])),
         "prefix": ("prefix", "prefix_cache_misses", part["prefix"].filter(pl.col("salted")),
                    part["prefix"].filter(~pl.col("salted"))),

@@ -35,6 +35,11 @@ by environment variables, read in the process where the cause belongs:
 * ``PLANTED_FIRST_STEPS_MS`` with ``PLANTED_FIRST_STEPS`` (a count): the first that many
   worker steps that carry requests take this much longer (one-off initialisation that the
   first requests after a start pay: lazy kernels, allocator growth, caches warming).
+* ``PLANTED_HOST_GAP_MS``: the API server's serving layer awaits this long (its event loop free
+  for other requests) after rendering a prompt and before handing the request to the engine, in
+  ``BaseServing._get_trace_headers``, which runs between the two (as an async check a
+  middleware or an adapter lookup would make between them); with a switch file in
+  ``PLANTED_SWITCH_DIR``.
 * ``PLANTED_STARTUP_IDLE_S`` (with ``PLANTED_STARTUP_IDLE_LOG``, a path): the CPU worker waits
   this long once its weights are loaded, before it profiles memory and warms up (compiles) the
   model, outside every loading span (as a lock on a shared cache or a slow mount nobody
@@ -207,6 +212,25 @@ def _token_budget(tokens: int, on) -> None:
     scheduler.Scheduler.schedule = schedule
 
 
+def _host_gap(ms: float, on) -> None:
+    import asyncio
+
+    from vllm.entrypoints.serve.engine import serving
+
+    orig = serving.BaseServing._get_trace_headers
+    if getattr(orig, "_planted", False):
+        return
+
+    @functools.wraps(orig)
+    async def get_trace_headers(self, *a, **kw):
+        if on():
+            await asyncio.sleep(ms / 1000)
+        return await orig(self, *a, **kw)
+
+    get_trace_headers._planted = True
+    serving.BaseServing._get_trace_headers = get_trace_headers
+
+
 def _startup_idle(s: float, log: str | None) -> None:
     from vllm.v1.worker import cpu_worker
 
@@ -260,6 +284,9 @@ def register() -> None:
     per_token = float(os.environ.get("PLANTED_TOKENIZE_US_PER_TOKEN", "0") or 0)
     if per_token > 0:
         _slow_tokenizer(per_token, _switch("PLANTED_TOKENIZE_US_PER_TOKEN"))
+    gap = float(os.environ.get("PLANTED_HOST_GAP_MS", "0") or 0)
+    if gap > 0:
+        _host_gap(gap, _switch("PLANTED_HOST_GAP_MS"))
     ms = float(os.environ.get("PLANTED_DELIVER_STALL_MS", "0") or 0)
     if ms <= 0:
         return
