@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
@@ -60,11 +62,24 @@ print("@@RESULT@@" + json.dumps(keep, default=str))
 """
 
 
-def run_profile(base_url: str, model: str, profile: Profile, timeout: float = 1800) -> dict:
+class ServerGone(RuntimeError):
+    """The server went away while a profile ran; the benchmark was stopped."""
+
+
+#: seconds between checks that the server is still there while a profile runs, and how many
+#: failed checks in a row stop the benchmark (a busy server answers late, a gone one never)
+GONE_POLL_S, GONE_CHECKS = 1.0, 3
+
+
+def run_profile(base_url: str, model: str, profile: Profile, timeout: float = 1800,
+                alive: Callable[[], bool] | None = None) -> dict:
     """Drive ``base_url`` with ``profile``; returns vLLM's benchmark metrics (ms, req/s).
 
     With priority classes, one sub-load per class runs concurrently; the result carries each
-    class's metrics under ``classes`` and the summed counts and throughput at the top."""
+    class's metrics under ``classes`` and the summed counts and throughput at the top.
+    ``alive``: checked every ``GONE_POLL_S`` while the benchmark runs; ``GONE_CHECKS`` failures
+    in a row stop it and raise :class:`ServerGone` (vLLM's benchmark would otherwise send the
+    rest of its schedule, every request failing, before it reports)."""
     if profile.priority_classes:
         from concurrent.futures import ThreadPoolExecutor
         from dataclasses import replace
@@ -74,18 +89,40 @@ def run_profile(base_url: str, model: str, profile: Profile, timeout: float = 18
                         request_rate=profile.request_rate * share if profile.request_rate != float("inf") else profile.request_rate)
                 for i, (p, share) in enumerate(profile.priority_classes)]
         with ThreadPoolExecutor(len(subs)) as ex:
-            results = list(ex.map(lambda sp: run_profile(base_url, model, sp, timeout), subs))
+            results = list(ex.map(lambda sp: run_profile(base_url, model, sp, timeout, alive), subs))
         out = {"classes": {str(sp.priority): r for sp, r in zip(subs, results, strict=True)},
                "completed": sum(r.get("completed", 0) for r in results), "failed": sum(r.get("failed", 0) or 0 for r in results),
                "request_throughput": sum(r.get("request_throughput", 0.0) for r in results),
                "median_ttft_ms": max(r["median_ttft_ms"] for r in results), "p99_ttft_ms": max(r["p99_ttft_ms"] for r in results),
                "profile": asdict(profile)}
         return out
-    r = subprocess.run([sys.executable, "-c", _CHILD, *profile.args(base_url, model)], capture_output=True,
-                       text=True, timeout=timeout)
-    for line in r.stdout.splitlines():
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, *profile.args(base_url, model)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline, failed = time.monotonic() + timeout, 0
+    try:
+        while True:
+            try:  # (a retried communicate loses no output)
+                stdout, stderr = p.communicate(timeout=GONE_POLL_S if alive else max(deadline - time.monotonic(), 0.1))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise
+                if alive is not None:
+                    failed = 0 if alive() else failed + 1
+                    if failed >= GONE_CHECKS:
+                        raise ServerGone(f"the server at {base_url} stopped answering during profile "
+                                         f"{profile.name!r}") from None
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+    for line in stdout.splitlines():
         if line.startswith("@@RESULT@@"):
             out = json.loads(line[len("@@RESULT@@"):])
             out["profile"] = asdict(profile)
             return out
-    raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    raise RuntimeError(f"vllm bench serve failed ({p.returncode}):\n{stderr[-3000:]}")

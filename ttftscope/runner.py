@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from .loadgen import Profile, run_profile
+from .loadgen import Profile, ServerGone, run_profile
 
 
 class LoadError(RuntimeError):
@@ -72,7 +72,9 @@ def drive(server_url: str, model: str, profile: Profile, server_alive=lambda: Tr
     """Run one profile; LoadError with a clear message when the server goes away."""
     t0 = time.time_ns()
     try:
-        res = run_profile(server_url, model, profile)
+        res = run_profile(server_url, model, profile, alive=server_alive)
+    except ServerGone:
+        raise LoadError(f"the vLLM server exited during profile {profile.name!r}; what was collected is kept") from None
     except Exception as e:  # noqa: BLE001
         if not server_alive():
             raise LoadError(f"the vLLM server exited during profile {profile.name!r}; what was collected is kept") from None
