@@ -4,7 +4,7 @@ Two servers (vLLM's defaults, compiled). One runs its scenarios one after the ot
 its own window (support/truth.drive_parts; tests/planted switches each fault on by a file):
 clean; a planted delivery stall (the API server's event loop blocked 25 ms after every output
 batch, after vLLM's own TTFT clock stopped), a slow tokenizer (1 ms per prompt token) and a host
-gap (the API server awaiting 30 ms between rendering a prompt and handing it to the engine), each
+gap (the API server awaiting 60 ms between rendering a prompt and handing it to the engine), each
 switched on for one of two twin requests (the other its baseline, in the same conditions); engine
 host overhead (the engine core 10 ms longer in update_from_output) for a whole part; long-prefix
 requests each sent three times, as a prefix-cache hit and with a cache salt of its own (misses);
@@ -208,7 +208,7 @@ def test_a_slow_tokenizer_is_named_with_its_size(slowtok, sizes):
 
 
 def test_a_host_gap_before_the_engine_is_named_with_its_size(hostgap, sizes):
-    """The API server awaiting 30 ms between rendering a prompt and handing it to the engine,
+    """The API server awaiting 60 ms between rendering a prompt and handing it to the engine,
     for every other request (the clean twins the baseline): outside every phase, so the time
     is a host-side gap that grows by what the client lost; the top finding names it, and its
     impact at p50 on the delayed requests is that loss (issue 12: within 15%)."""
