@@ -99,10 +99,10 @@ def run_command(a) -> int:
         return 2
 
     def alive() -> bool:
-        """Something answers at the server's address (a busy server answers late: alive)."""
+        """vLLM says it is healthy (a busy server that answers late counts as alive; one whose
+        engine died answers 503)."""
         try:
-            requests.get(server + "/health", timeout=5)
-            return True
+            return requests.get(server + "/health", timeout=5).status_code == 200
         except requests.Timeout:
             return True
         except requests.RequestException:
