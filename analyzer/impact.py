@@ -51,14 +51,23 @@ def _floor(col: str) -> pl.Expr | None:
     return floor
 
 
+#: a window whose 10th percentile of a phase is more than this many times the phase's healthy
+#: floor has no unaffected request left to say what is normal: its excess is taken over the floor
+WHOLE_WINDOW_LIFTED = 4
+
+
 def _excess(col: str, expr: pl.Expr | None = None) -> pl.Expr:
-    """Time above the phase's healthy baseline: its 10th percentile over the window, or the
-    healthy floor when that is lower (``HEALTHY_NS``; for tokenize, per prompt token)."""
+    """Time above the phase's healthy baseline: its 10th percentile over the window (what the
+    requests a cause spared take on this machine), or the healthy floor (``HEALTHY_NS``; for
+    tokenize, per prompt token) when that is lower and the 10th percentile is more than
+    ``WHOLE_WINDOW_LIFTED`` times it (a cause that hit every request alike, a stalled event loop,
+    lifts the percentile too). On a machine whose delivery takes 5 ms, a 25-ms stall on half the
+    requests costs them 25 ms, not the 28 above a 2-ms floor."""
     e = pl.col(col) if expr is None else expr
     base = e.quantile(0.1, "lower")
     floor = _floor(col)
     if floor is not None:
-        base = pl.min_horizontal(base, floor)
+        base = pl.when(base > WHOLE_WINDOW_LIFTED * floor).then(floor).otherwise(base)
     return (e - base).clip(lower_bound=0)
 
 

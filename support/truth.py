@@ -115,12 +115,16 @@ def client_ttft(port: int, model: str, prompt: str, stream: bool, chat: bool = F
 WITNESS_MAX_WAIT_MS = 10.0
 
 
-def witness_ok(df: pl.DataFrame) -> tuple[bool, str]:
+def witness_ok(df: pl.DataFrame, effect_ms: float | None = None) -> tuple[bool, str]:
     """(the stopwatch was served a CPU when it needed one, its waits in words) for rows with
-    ``client_cpu_wait_ms``."""
+    ``client_cpu_wait_ms``: 9 waits in 10 under 2 ms and none over ``WITNESS_MAX_WAIT_MS`` — or,
+    for an ``effect_ms`` compared that is large, under 2 % and 5 % of it (a burst's stopwatch
+    waits once for all its requests: one 5-ms wait against a 1.2-s effect is 0.4 % of it)."""
     w = df["client_cpu_wait_ms"]
     p90, most = float(w.quantile(0.9)), float(w.max())
-    return p90 < 2.0 and most < WITNESS_MAX_WAIT_MS, f"stopwatch CPU wait p90 {p90:.2f} ms, most {most:.2f} ms"
+    e = abs(effect_ms or 0.0)
+    return (p90 < max(2.0, 0.02 * e) and most < max(WITNESS_MAX_WAIT_MS, 0.05 * e),
+            f"stopwatch CPU wait p90 {p90:.2f} ms, most {most:.2f} ms" + (f", effect {e:.1f} ms" if e else ""))
 
 
 def _row(answer: dict) -> dict:

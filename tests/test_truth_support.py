@@ -23,3 +23,13 @@ def test_the_stopwatch_witness_check_tolerates_a_lone_wait_not_a_habit():
     assert witness_ok(pl.DataFrame({"client_cpu_wait_ms": [*quiet, 3.3]}))[0]  # one 3.3 ms wait in 96
     assert not witness_ok(pl.DataFrame({"client_cpu_wait_ms": [*quiet[:76], *[3.0] * 20]}))[0]  # a fifth waited
     assert not witness_ok(pl.DataFrame({"client_cpu_wait_ms": [*quiet, 12.0]}))[0]  # one long wait
+
+
+def test_against_a_large_effect_the_witness_may_wait_a_little_longer():
+    """A burst's stopwatch waits once for its twelve requests: one 5.1-ms wait in three bursts
+    fails the plain check, not one against a 1.2-s effect; against a 20-ms effect it still does."""
+    bursts = pl.DataFrame({"client_cpu_wait_ms": [0.3] * 24 + [5.1] * 12})
+    assert not witness_ok(bursts)[0]
+    assert witness_ok(bursts, 1200.0)[0]
+    assert not witness_ok(bursts, 20.0)[0]
+    assert not witness_ok(pl.DataFrame({"client_cpu_wait_ms": [0.3] * 24 + [70.0] * 12}), 1200.0)[0]
