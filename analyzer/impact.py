@@ -61,8 +61,7 @@ def _excess(col: str, expr: pl.Expr | None = None) -> pl.Expr:
     requests a cause spared take on this machine), or the healthy floor (``HEALTHY_NS``; for
     tokenize, per prompt token) when that is lower and the 10th percentile is more than
     ``WHOLE_WINDOW_LIFTED`` times it (a cause that hit every request alike, a stalled event loop,
-    lifts the percentile too). On a machine whose delivery takes 5 ms, a 25-ms stall on half the
-    requests costs them 25 ms, not the 28 above a 2-ms floor."""
+    lifts the percentile too)."""
     e = pl.col(col) if expr is None else expr
     base = e.quantile(0.1, "lower")
     floor = _floor(col)

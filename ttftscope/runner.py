@@ -73,10 +73,8 @@ def drive(server_url: str, model: str, profile: Profile, server_alive=lambda: Tr
     t0 = time.time_ns()
     try:
         res = run_profile(server_url, model, profile, alive=server_alive)
-    except ServerGone:
-        raise LoadError(f"the vLLM server exited during profile {profile.name!r}; what was collected is kept") from None
     except Exception as e:  # noqa: BLE001
-        if not server_alive():
+        if isinstance(e, ServerGone) or not server_alive():
             raise LoadError(f"the vLLM server exited during profile {profile.name!r}; what was collected is kept") from None
         raise LoadError(f"profile {profile.name!r} failed: {str(e)[-600:]}") from None
     res["window_ns"] = (t0, time.time_ns())
