@@ -176,9 +176,9 @@ class VllmServer:
 
     def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True, eager: bool = False,
                  extra: list[str] | None = None, env: dict | None = None, run: str = "test"):
-        from ttftscope.tinymodel import build_tiny_model
+        from ttftscope.tinymodel import shared_tiny_model
 
-        self.model = str(build_tiny_model(tmp / "tinymodel"))
+        self.model = str(shared_tiny_model())  # one path: vLLM's compile caches are reused
         self.port = free_port()
         self.log = tmp / f"vllm-{self.port}.log"
         self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra)

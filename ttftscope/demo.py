@@ -60,7 +60,7 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
     from ttftscope.runner import LoadError, drive
     from ttftscope.schemas.store import open_store
     from ttftscope.schemas.vocabulary import ResourceAttr
-    from ttftscope.tinymodel import build_tiny_model
+    from ttftscope.tinymodel import shared_tiny_model
 
     base = Path(workdir) if workdir else Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ttftscope"
     run = time.strftime("demo-%Y%m%d-%H%M%S")
@@ -73,7 +73,7 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
     rc = 0
     try:
         _say("1/6", "model: " + (model or "building the tiny local model (dummy weights)"))
-        mdir = model or str(build_tiny_model(base / "tinymodel"))
+        mdir = model or str(shared_tiny_model())
         _say("2/6", f"collector -> store {store_url}")
         col, col_url = collector(store_url, work)
         children.append(col)

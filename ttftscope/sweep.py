@@ -146,7 +146,7 @@ def sweep_command(a) -> int:
     from ttftscope.runner import LoadError, drive, load_profile
     from ttftscope.schemas.store import StoreError, default_store_url, open_store
     from ttftscope.servers import collector, settle, vllm
-    from ttftscope.tinymodel import build_tiny_model
+    from ttftscope.tinymodel import shared_tiny_model
 
     try:
         combos = parse_grid(a.grid)
@@ -159,7 +159,7 @@ def sweep_command(a) -> int:
     base = Path(a.workdir) if a.workdir else Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ttftscope"
     label = time.strftime("sweep-%Y%m%d-%H%M%S")
     work = base / "runs" / label
-    model = a.model or str(build_tiny_model(base / "tinymodel"))
+    model = a.model or str(shared_tiny_model())
     results = []
     col = None
     try:
