@@ -172,10 +172,11 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
 
 def http_fleet(tmp: Path, seconds: float, senders: int) -> tuple[float, float, float, str]:
     """(spans per collector CPU-second, spans/s offered, requests/s) with many small senders."""
-    # each sender's requests built before the clock starts, as the bulk case's are: 40 threads
-    # building protobuf in Python on the collector's two cores during the run cost it 25-30 %
-    # more CPU per span (fleet 26.8 / 25.5k against 36.1 / 34.6k spans per CPU-second, measured
-    # interleaved) - the load generator's cache pollution, not what a remote fleet costs it
+    # each sender's requests built before the clock starts, as the bulk case's are, so that the
+    # senders spend their time on the two shared cores posting, not building protobuf (within this
+    # bench, interleaved: 24.6 / 24.6k spans per CPU-second built during the run against 24.6 /
+    # 26.7k built before - no clear difference; a larger one seen first was the store's merges
+    # falling outside a run whose load started later)
     plans = []
     for k in range(senders):
         rng = random.Random(k)
