@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ui-port", type=int, default=8501)
     d.add_argument("--model", default=None, help="a real model directory (GPU machine); default: the tiny local model")
     d.add_argument("--no-tp2", action="store_true", help="skip the tensor-parallel-2 run")
-    d.add_argument("--workdir", default=None, help="logs and the tiny model (default ~/.local/share/ttftscope)")
+    d.add_argument("--workdir", default=None, help="logs of its servers (default ~/.local/share/ttftscope); the tiny model lives in ~/.cache/ttftscope")
 
     rn = sub.add_parser("run", help="drive a running vLLM (with the plugin) with a load profile; CI gate")
     _store_arg(rn)
