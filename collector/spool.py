@@ -3,9 +3,13 @@
 Requests are appended as framed records (magic, length, rows, CRC32, payload) to the open
 segment; the magic says what the payload is: an OTLP protobuf request body as received and
 checked (:data:`OTLP`, decoded in bulk at flush time) or an Arrow IPC batch (:data:`ARROW`); callers return only once their bytes are fsynced (group commit: one fsync
-covers every caller waiting at that moment). A segment is sealed by size or age and handed
+covers every caller waiting at that moment). The open segment is zeroed a stretch ahead of its
+write offset (a WAL's practice): a small record then lands inside the file, and its
+``fdatasync`` writes the pages without journalling a new file size each time (measured: about
+half the CPU of an append that grows the file). Sealing cuts the zeros off. A segment is sealed by size or age and handed
 to the flusher, which deletes it only after the store has the batch. A crash loses nothing
-acknowledged: on start the open segment is cut back to its last complete record and sealed.
+acknowledged: on start the open segment is cut back to its last complete record (what follows
+is the zeroed stretch or a record the crash tore) and sealed.
 Each segment inserts under its own token (spool id + sequence number), so a segment that
 was written to the store just before a crash is not stored twice when it is replayed.
 """
@@ -27,6 +31,9 @@ ARROW = b"TTS1"  #: an Arrow IPC stream of spans in ``otel_traces`` layout
 OTLP = b"TTP1"  #: a checked OTLP/protobuf ``ExportTraceServiceRequest`` body
 OTLP_EVENTS_LINKS = b"TTP2"  #: the same, with span events or links
 _MAGICS = (ARROW, OTLP, OTLP_EVENTS_LINKS)
+
+
+_ZEROS = bytearray()  # the zeros written ahead of an open segment's records, grown once
 
 
 class SpoolError(RuntimeError):
@@ -63,7 +70,9 @@ def _scan(path: Path, into: bytearray | None = None) -> tuple[int, int, list[tup
         payloads.append((magic, payload))
         rows += nrows
         pos = end
-    return pos, rows, payloads, pos != len(data)
+    # a segment written ahead with zeros ends in zeros after its last record: not a torn one
+    torn = pos != len(data) and data[pos:] != bytes(len(data) - pos)
+    return pos, rows, payloads, torn
 
 
 class Spool:
@@ -76,12 +85,15 @@ class Spool:
         segment_bytes: int = 8 * 1024 * 1024,
         segment_age_s: float = 0.5,
         fsync: bool = True,
+        zero_ahead_bytes: int = 256 << 10,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.segment_age_s = segment_age_s
         self.fsync = fsync
+        # records smaller than this are written into zeros laid down ahead of them (fsync on)
+        self.zero_ahead_bytes = zero_ahead_bytes if fsync else 0
         self._lock_fd = os.open(self.dir / "spool.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -102,6 +114,7 @@ class Spool:
         self._open_rows = 0
         self._open_bytes = 0
         self._open_since = 0.0
+        self._zeroed = 0  # the open segment's file is zeros from _open_bytes up to here
         self._synced = (0, 0)  # (seq, bytes) known durable
         self._read_buf: bytearray | None = None  # records() reads segments into it
 
@@ -138,6 +151,7 @@ class Spool:
             valid, rows, _, torn = _scan(p)
             if torn:  # a record cut by a crash was never acknowledged
                 self.torn_records_dropped += 1
+            if valid != p.stat().st_size:  # the torn record, or the zeroed stretch ahead
                 with open(p, "r+b") as f:
                     f.truncate(valid)
                     os.fsync(f.fileno())
@@ -176,18 +190,35 @@ class Spool:
                 self._open_seq = self._seq
                 self._seq += 1
                 path = self.dir / f"{self._open_seq:016d}.open"
-                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                self._open_rows = self._open_bytes = 0
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                self._open_rows = self._open_bytes = self._zeroed = 0
                 self._open_since = time.monotonic()
-            n = os.writev(self._fd, (header, payload))  # no copy of the payload into a frame
+            at = self._open_bytes
+            n = os.pwritev(self._fd, (header, payload), at)  # no copy of the payload into a frame
             if n != size:  # pragma: no cover - disk full mid-write
                 raise SpoolError("short write to the spool (disk full?)")
+            if at + size > self._zeroed and size < self.zero_ahead_bytes:
+                self._zero_ahead_locked(at + size)
             self._open_rows += rows
             self._open_bytes += size
             me = (self._open_seq, self._open_bytes)
             if self._open_bytes >= self.segment_bytes:
                 self._seal_locked()
         return opened, me
+
+    def _zero_ahead_locked(self, end: int) -> None:
+        """Zeros from ``end`` for a stretch: the next small records overwrite them and their
+        syncs leave the file's size alone (one size change per stretch, not per record).
+        A large record just extends the file: its one size change is worth its bytes."""
+        stretch = self.zero_ahead_bytes
+        if len(_ZEROS) < stretch:
+            _ZEROS.extend(bytes(stretch - len(_ZEROS)))
+        start = max(self._zeroed, end)
+        todo = end + stretch - start
+        n = os.pwrite(self._fd, memoryview(_ZEROS)[:todo], start)
+        if n != todo:  # pragma: no cover - disk full: the records so far are whole
+            raise SpoolError("short write to the spool (disk full?)")
+        self._zeroed = end + stretch
 
     def sync(self, mark: tuple[int, int]) -> None:
         """Return once every record up to ``mark`` is on disk (group commit: one fdatasync
@@ -213,6 +244,8 @@ class Spool:
     def _seal_locked(self) -> None:
         if self._fd is None:
             return
+        if self._zeroed > self._open_bytes:
+            os.ftruncate(self._fd, self._open_bytes)  # the zeros ahead are not records
         if self.fsync:
             os.fsync(self._fd)
         os.close(self._fd)

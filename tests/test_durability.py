@@ -77,6 +77,56 @@ def test_torn_record_is_dropped_and_earlier_ones_kept(tmp_path):
     assert sp2.torn_records_dropped == 1
 
 
+def test_small_records_are_written_into_zeros_ahead_and_sealing_cuts_them_off(tmp_path):
+    """The open segment is zeroed ahead, so a small record's sync does not change the file's
+    size (what made each fdatasync journal); the sealed segment holds exactly its records."""
+    from ttftscope.collector.spool import Spool
+
+    sp = Spool(tmp_path / "spool", zero_ahead_bytes=64 << 10)
+    sizes = []
+    for i in range(20):
+        sp.append(bytes([i]) * 1000, 1)
+        sizes.append(next((tmp_path / "spool").glob("*.open")).stat().st_size)
+    assert sizes[0] > 1016, "zeros were laid ahead of the first record"
+    assert len(set(sizes)) == 1, f"small records grew the file: {sizes}"
+    sp.seal()
+    (seg,) = sp.sealed()
+    assert seg.path.stat().st_size == seg.bytes == 20 * (16 + 1000)
+    assert sp.read(seg) == [bytes([i]) * 1000 for i in range(20)]
+    big = b"x" * (200 << 10)  # larger than the stretch: appended, no zeros after it
+    sp.append(big, 5)
+    sp.seal()
+    assert [s.path.stat().st_size for s in sp.sealed()] == [seg.bytes, 16 + len(big)]
+
+
+def test_crash_before_seal_keeps_every_record_and_counts_no_torn_one_in_the_zeros(tmp_path):
+    import os
+
+    from ttftscope.collector.spool import Spool
+
+    sp = Spool(tmp_path / "spool", zero_ahead_bytes=64 << 10)
+    for i in range(5):
+        sp.append(bytes([65 + i]) * 300, 2)
+    path = next((tmp_path / "spool").glob("*.open"))
+    os.close(sp._lock_fd)  # simulate death: no seal, the zeros stay behind the records
+    assert path.stat().st_size > 5 * 316
+    sp2 = Spool(tmp_path / "spool")
+    (seg,) = sp2.sealed()
+    assert (seg.rows, sp2.torn_records_dropped) == (10, 0)
+    assert sp2.read(seg) == [bytes([65 + i]) * 300 for i in range(5)]
+    assert seg.path.stat().st_size == 5 * 316, "the zeros were cut off on recovery"
+    sp2.append(b"next", 1)  # and the spool goes on
+    os.close(sp2._lock_fd)
+    # a record torn inside the zeroed stretch (its header written, its payload not)
+    path = next((tmp_path / "spool").glob("*.open"))
+    with open(path, "r+b") as f:
+        f.seek(16 + 4)
+        f.write(b"TTS1\x64\x00\x00\x00")
+    sp3 = Spool(tmp_path / "spool")
+    assert sp3.torn_records_dropped == 1
+    assert [Spool.read(s) for s in sp3.sealed()] == [[bytes([65 + i]) * 300 for i in range(5)], [b"next"]]
+
+
 def test_store_outage_spools_then_delivers_on_recovery(collector_factory, tmp_path):
     ch = ClickHouseFixture(tmp_path / "ch", port=free_port()).start()
     url = ch.url("ttft")
