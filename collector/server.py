@@ -375,7 +375,6 @@ class _Conn(asyncio.Protocol):
             return
         path = req.path.split("?", 1)[0]
         if path == "/metrics":
-            self.s.pipeline._update_gauges()
             self._send(req, 200, generate_latest(self.s.metrics.registry), CONTENT_TYPE_LATEST)
         elif path in ("/healthz", "/health", "/"):
             p = self.s.pipeline
@@ -582,18 +581,32 @@ class _Conn(asyncio.Protocol):
 
     def _send(self, req: _Request, code: int, body: bytes, ctype: str, extra: dict | None = None) -> None:
         """The status line, headers and body in one write; then the next request, if any."""
-        if self.s.draining:
+        s = self.s
+        if s.draining:
             req.close = True  # shutting down: no further request on this one
-        lines = [f"HTTP/1.1 {code} {RESPONSES.get(code, ('',))[0]}", f"Server: {SERVER_HEADER}",
-                 f"Date: {_http_date()}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
-        if req.close:
-            lines.append("Connection: close")
-        self.s.metrics.requests.labels(str(code)).inc()
+        key = (code, ctype, len(body), req.close)
+        date = _http_date()
+        if s.heads_date != date:  # the Date header moved on: every cached head with it
+            s.heads.clear()
+            s.heads_date = date
+        head = None if extra else s.heads.get(key)
+        if head is None:
+            lines = [f"HTTP/1.1 {code} {RESPONSES.get(code, ('',))[0]}", f"Server: {SERVER_HEADER}",
+                     f"Date: {date}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
+            lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
+            if req.close:
+                lines.append("Connection: close")
+            head = "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n"
+            if not extra and len(s.heads) < 64:
+                s.heads[key] = head
+        counter = s.requests_by_code.get(code)
+        if counter is None:
+            counter = s.requests_by_code[code] = s.metrics.requests.labels(str(code))
+        counter.inc()
         if self.closed:
             self._end_request()
             return
-        self.t.write("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body)
+        self.t.write(head + body)
         if log.isEnabledFor(logging.DEBUG):
             log.debug('"%s %s %s" %d', req.command, req.path, req.version, code)
         self._end_request()
@@ -690,6 +703,11 @@ class CollectorHTTPServer:
         self._sock = socket.create_server((config.host, config.port), backlog=128)
         self.server_address = self._sock.getsockname()
         self._aserver = None
+        # a response head depends on (code, type, length, close) and the second it is sent
+        # in: a fleet's 200s are built once a second, not per request
+        self.heads: dict[tuple, bytes] = {}
+        self.heads_date = ""
+        self.requests_by_code: dict[int, object] = {}  # the requests counter's children
 
     @property
     def url(self) -> str:

@@ -230,6 +230,28 @@ def test_expect_100_continue_then_the_body(col):
         assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
+def test_one_connection_gets_each_answer_with_its_own_length_and_close(col):
+    """Response heads are reused within a second (a fleet's 200s): each answer on a keep-alive
+    connection still carries its own Content-Length, and only the last one Connection: close."""
+    import http.client
+
+    bodies = [_request(3, "fine"), _request(2, "zero-start", start=0, end=10), _request(3, "fine-again"),
+              _request(2, "zero-start-2", start=0, end=10)]
+    conn = http.client.HTTPConnection(col.url.split("//")[1], timeout=10)
+    got = []
+    for i, req in enumerate(bodies):
+        headers = dict(PB, **({"Connection": "close"} if i == len(bodies) - 1 else {}))
+        conn.request("POST", "/v1/traces", body=req.SerializeToString(), headers=headers)
+        r = conn.getresponse()
+        data = r.read()
+        assert int(r.getheader("Content-Length")) == len(data) and r.getheader("Date")
+        got.append((r.status, len(data), r.getheader("Connection")))
+    conn.close()
+    assert [g[0] for g in got] == [200] * 4
+    assert got[0][1] == got[2][1] and got[1][1] > got[0][1], got  # partial success says more
+    assert [g[2] for g in got] == [None, None, None, "close"]
+
+
 def test_http_1_0_closes_unless_kept_alive(col):
     body = _request(2, "old").SerializeToString()
     closed = _raw(col, _post_head(body, "Content-Type: application/x-protobuf\r\n", "HTTP/1.0") + body)
