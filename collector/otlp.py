@@ -548,15 +548,11 @@ def _accept_unparsed(body: bytes, lim: Limits, lo: int, hi: int, max_dur: int, s
     (``otlp_scan.validate``), every span plainly fine, no Resource that a limit could touch (at
     most ``max_attributes`` attributes, its values' text at most 4x its encoded size). None:
     check it the long way."""
-    v = S.validate(body)
+    v = S.validate(body, lo, hi, max_dur, lim.max_attributes, small)  # (one walk judges every span too)
     if v is None:
         return None
-    n_spans, n_scopes, res_attrs, res_bytes = v
-    if res_attrs > lim.max_attributes or res_bytes > lim.max_value_bytes // 4:
-        return None
-    fast = S.scan(body, n_spans, n_scopes)
-    plain = None if fast is None else S.fine(fast[0], fast[1], lo, hi, max_dur, lim.max_attributes, small)
-    if plain is None or plain[0] != n_spans:
+    n_spans, _, res_attrs, res_bytes, n_fine = v
+    if res_attrs > lim.max_attributes or res_bytes > lim.max_value_bytes // 4 or n_fine != n_spans:
         return None
     return Accepted(body, DecodeReport(accepted=n_spans), False)
 

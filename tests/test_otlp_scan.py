@@ -30,18 +30,26 @@ def _both(body: bytes, monkeypatch, limits: Limits | None = None):
         a = accept_protobuf(body, limits, now_ns=NOW)
         r = a.report
         return a.body, (r.accepted, r.rejected, dict(r.reasons), dict(r.warnings)), a.events_links
-    used = []
-    real = otlp_scan.scan
+    used = []  # per compiled pass that judged the spans: did it vouch for them?
+    real_scan, real_validate = otlp_scan.scan, otlp_scan.validate
 
     def spy(*args):
-        out = real(*args)
+        out = real_scan(*args)
         used.append(out is not None)
+        return out
+
+    def spy_validate(*args):
+        out = real_validate(*args)
+        if out is not None and out[4] == out[0]:  # every span judged plainly fine in the one walk
+            used.append(True)
         return out
     with monkeypatch.context() as m:
         m.setattr(otlp_scan, "scan", spy)
+        m.setattr(otlp_scan, "validate", spy_validate)
         fast = run()
     with monkeypatch.context() as m:
         m.setattr(otlp_scan, "scan", lambda *a: None)
+        m.setattr(otlp_scan, "validate", lambda *a: None)
         slow = run()
     return fast, slow, used
 
@@ -191,6 +199,29 @@ def test_random_damage_never_makes_the_scan_disagree(monkeypatch):
         scanned += bool(used) and all(used)
     print(f"{compared} damaged requests parsed, {scanned} of them vouched for by the scan")
     assert scanned > 100, "enough damaged requests still parse to say something"
+
+
+def test_the_validating_walk_judges_spans_as_the_scan_and_fine_do():
+    """``validate`` judges every span in its one walk; on valid and damaged requests, under
+    default and small limits, its count of plainly fine spans is what scan + fine count."""
+    rng = random.Random(11)
+    bases = [_request(s).SerializeToString() for s in range(6)] + [plugin_like_request(40, seed=2, t0=NOW - 10**9)]
+    judged = partly = 0
+    for trial in range(3000):
+        body = rng.choice(bases) if trial < 200 else _damaged(rng, rng.choice(bases), most=2)
+        lim = rng.choice((Limits(), SMALL_LIMITS))
+        lo, hi, max_dur = lim.min_start_ns, NOW + lim.max_future_ns, lim.max_duration_ns
+        small = rng.choice((-1, min(lim.max_value_bytes, lim.max_name_bytes) // 4))
+        v = otlp_scan.validate(body, lo, hi, max_dur, lim.max_attributes, small)
+        if v is None:
+            continue
+        scanned = otlp_scan.scan(body, v[0], v[1])
+        assert scanned is not None, trial
+        n, _ = otlp_scan.fine(scanned[0], scanned[1], lo, hi, max_dur, lim.max_attributes, small)
+        assert v[4] == n, (trial, v, n)
+        judged += 1
+        partly += 0 < n < v[0]
+    assert judged > 500 and partly > 50, (judged, partly)
 
 
 def test_the_validation_table_is_the_installed_proto():
