@@ -33,9 +33,6 @@ OTLP_EVENTS_LINKS = b"TTP2"  #: the same, with span events or links
 _MAGICS = (ARROW, OTLP, OTLP_EVENTS_LINKS)
 
 
-_ZEROS = bytearray()  # the zeros written ahead of an open segment's records, grown once
-
-
 class SpoolError(RuntimeError):
     pass
 
@@ -115,6 +112,7 @@ class Spool:
         self._open_bytes = 0
         self._open_since = 0.0
         self._zeroed = 0  # the open segment's file is zeros from _open_bytes up to here
+        self._zeros: bytes | None = None  # what is written ahead, allocated on first use
         self._synced = (0, 0)  # (seq, bytes) known durable
         self._read_buf: bytearray | None = None  # records() reads segments into it
 
@@ -194,11 +192,11 @@ class Spool:
                 self._open_rows = self._open_bytes = self._zeroed = 0
                 self._open_since = time.monotonic()
             at = self._open_bytes
+            if at + size > self._zeroed and size < self.zero_ahead_bytes:
+                self._zero_ahead_locked(at, at + size)  # first: a failure leaves no record behind
             n = os.pwritev(self._fd, (header, payload), at)  # no copy of the payload into a frame
             if n != size:  # pragma: no cover - disk full mid-write
                 raise SpoolError("short write to the spool (disk full?)")
-            if at + size > self._zeroed and size < self.zero_ahead_bytes:
-                self._zero_ahead_locked(at + size)
             self._open_rows += rows
             self._open_bytes += size
             me = (self._open_seq, self._open_bytes)
@@ -206,16 +204,17 @@ class Spool:
                 self._seal_locked()
         return opened, me
 
-    def _zero_ahead_locked(self, end: int) -> None:
-        """Zeros from ``end`` for a stretch: the next small records overwrite them and their
-        syncs leave the file's size alone (one size change per stretch, not per record).
-        A large record just extends the file: its one size change is worth its bytes."""
+    def _zero_ahead_locked(self, at: int, end: int) -> None:
+        """Zeros from ``at`` (or where the zeros already reach) to a stretch past ``end``, the
+        end of the record about to be written at ``at``: the next small records overwrite
+        them and their syncs leave the file's size alone (one size change per stretch, not per
+        record). A large record just extends the file: its one size change is worth its bytes."""
         stretch = self.zero_ahead_bytes
-        if len(_ZEROS) < stretch:
-            _ZEROS.extend(bytes(stretch - len(_ZEROS)))
-        start = max(self._zeroed, end)
-        todo = end + stretch - start
-        n = os.pwrite(self._fd, memoryview(_ZEROS)[:todo], start)
+        if self._zeros is None:
+            self._zeros = bytes(2 * stretch)
+        start = max(self._zeroed, at)
+        todo = end + stretch - start  # < 2 stretches: the record itself is smaller than one
+        n = os.pwrite(self._fd, memoryview(self._zeros)[:todo], start)
         if n != todo:  # pragma: no cover - disk full: the records so far are whole
             raise SpoolError("short write to the spool (disk full?)")
         self._zeroed = end + stretch
