@@ -150,20 +150,26 @@ def _scan(buf, ints, times, scopes):
     return row
 
 
+def _plain(tid_len, tid_zero, sid_len, sid_zero, parent_len, s, e, n_attrs, n_el, size, lo, hi, max_dur,
+           max_attrs, small):
+    """A span passes the Python checks untouched: valid ids, ``lo <= start <= hi``, ``start <=
+    end <= start + max_dur``, at most ``max_attrs`` attributes, no events or links, and (``small``
+    >= 0) at most ``small`` bytes. The one definition both :func:`_fine` and :func:`_validate` use."""
+    return (tid_len == 16 and tid_zero == 0 and sid_len == 8 and sid_zero == 0
+            and (parent_len == 0 or parent_len == 8)
+            and s >= lo and s <= hi and e >= s and e - s <= max_dur
+            and n_attrs <= max_attrs and n_el == 0 and (small < 0 or size <= small))
+
+
 def _fine(ints, times, lo, hi, max_dur, max_attrs, small, out):
-    """``out[i]``: span ``i`` passes the Python checks untouched (ids, times, no limit within
-    reach; ``small`` < 0: no span is big enough to reach one). Returns how many do. One
-    compiled pass instead of a dozen numpy operations, whose fixed costs were most of a
-    small request's check."""
+    """``out[i]``: span ``i`` passes the Python checks untouched (:func:`_plain`; ``small`` < 0:
+    no span is big enough to reach a limit). Returns how many do. One compiled pass instead of
+    a dozen numpy operations, whose fixed costs were most of a small request's check."""
     n = 0
     for i in range(ints.shape[0]):
-        s = times[i, 0]
-        e = times[i, 1]
-        ok = (ints[i, TID_LEN] == 16 and ints[i, TID_ZERO] == 0 and ints[i, SID_LEN] == 8
-              and ints[i, SID_ZERO] == 0 and (ints[i, PARENT_LEN] == 0 or ints[i, PARENT_LEN] == 8)
-              and s >= lo and s <= hi and e >= s and e - s <= max_dur
-              and ints[i, N_ATTRS] <= max_attrs and ints[i, N_EVENTS_LINKS] == 0
-              and (small < 0 or ints[i, SIZE] <= small))
+        ok = _plain(ints[i, TID_LEN], ints[i, TID_ZERO], ints[i, SID_LEN], ints[i, SID_ZERO], ints[i, PARENT_LEN],
+                    times[i, 0], times[i, 1], ints[i, N_ATTRS], ints[i, N_EVENTS_LINKS], ints[i, SIZE], lo, hi,
+                    max_dur, max_attrs, small)
         out[i] = ok
         if ok:
             n += 1
@@ -244,17 +250,14 @@ def _utf8(buf, a, b):
     return True
 
 
-def _validate(buf, kind, child, wire_of, times_lim, ints_lim, out):
+def _validate(buf, kind, child, wire_of, lo, hi, max_dur, max_attrs, small, out):
     """Walk a whole ExportTraceServiceRequest (an explicit stack, no recursion). True when upb
     would parse it; then ``out`` = (spans, ScopeSpans, the most attributes of a Resource, the
     largest Resource's encoded size, spans plainly fine). False: not judged here (see above).
 
-    A span is plainly fine as :func:`_fine` judges a row of :func:`_scan`'s table (the same
-    fields, the last occurrence of each winning), with ``times_lim`` = (lo, hi, max_dur) and
-    ``ints_lim`` = (max_attrs, small), read in this same walk: a request whose spans are all
-    fine needs no second walk over its bytes."""
-    lo, hi, max_dur = times_lim[0], times_lim[1], times_lim[2]
-    max_attrs, small = ints_lim[0], ints_lim[1]
+    A span is judged by :func:`_plain` on the fields :func:`_scan` reads (the last occurrence
+    of each winning), read in this same walk: a request whose spans are all fine needs no
+    second walk over its bytes."""
     n_fine = 0
     span_depth = -1  # the stack level of the span being walked (-1: none)
     tid_len = tid_zero = sid_len = sid_zero = parent_len = n_attrs = n_el = span_size = 0
@@ -277,12 +280,10 @@ def _validate(buf, kind, child, wire_of, times_lim, ints_lim, out):
         if pos >= end:
             if depth == 0:
                 break
-            if depth == span_depth:  # a span's last field read: judge it as _fine would
+            if depth == span_depth:  # a span's last field read: judge it
                 span_depth = -1
-                if (tid_len == 16 and tid_zero == 0 and sid_len == 8 and sid_zero == 0
-                        and (parent_len == 0 or parent_len == 8)
-                        and t_start >= lo and t_start <= hi and t_end >= t_start and t_end - t_start <= max_dur
-                        and n_attrs <= max_attrs and n_el == 0 and (small < 0 or span_size <= small)):
+                if _plain(tid_len, tid_zero, sid_len, sid_zero, parent_len, t_start, t_end, n_attrs, n_el,
+                          span_size, lo, hi, max_dur, max_attrs, small):
                     n_fine += 1
             depth -= 1
             continue
@@ -375,6 +376,7 @@ if _jit is not None:
     _span = _jit(_span)
     _scope = _jit(_scope)
     _scan = _jit(_scan)
+    _plain = _jit(_plain)
     _fine = _jit(_fine)
     _utf8 = _jit(_utf8)
     _validate = _jit(_validate)
@@ -426,8 +428,8 @@ def validate(body: bytes, lo: int = 0, hi: int = 2**64 - 1, max_dur: int = 2**64
     buf.flags.writeable = False
     out = np.zeros(5, dtype=np.int64)
     try:
-        ok = _validate(buf, _KIND, _CHILD, _WIRE, np.array((lo, hi, max_dur), dtype=np.uint64),
-                       np.array((max_attrs, small), dtype=np.int64), out)
+        ok = _validate(buf, _KIND, _CHILD, _WIRE, np.uint64(lo), np.uint64(hi), np.uint64(max_dur), max_attrs,
+                       small, out)
     except Exception:  # noqa: BLE001 - never lose a request to the fast path
         _broken = True
         log.exception("the compiled OTLP validation failed; parsing every request from now on")
@@ -469,8 +471,8 @@ def warm_up() -> bool:
         # the receiver's event loop calls these: a call that needed compiling would wait for the
         # compiler lock, which the flush decode's warm-up holds for seconds on a cold cache, and
         # hold every connection up meanwhile. Compiled once, for the types they are given.
-        _validate(empty, _KIND, _CHILD, _WIRE, np.zeros(3, dtype=np.uint64), np.zeros(2, dtype=np.int64),
-                  np.zeros(5, dtype=np.int64))
+        _validate(empty, _KIND, _CHILD, _WIRE, np.uint64(0), np.uint64(1), np.uint64(1), 1, -1,
+                  np.zeros(5, dtype=np.int64))  # (validate()'s own types, as for _fine)
         _scan.disable_compile()
         _fine.disable_compile()
         _validate.disable_compile()

@@ -1,17 +1,18 @@
 """The write-ahead spool: an acknowledged span is on local disk before the client hears 200.
 
-Requests are appended as framed records (magic, length, rows, CRC32, payload) to the open
-segment; the magic says what the payload is: an OTLP protobuf request body as received and
-checked (:data:`OTLP`, decoded in bulk at flush time) or an Arrow IPC batch (:data:`ARROW`); callers return only once their bytes are fsynced (group commit: one fsync
-covers every caller waiting at that moment). The open segment is zeroed a stretch ahead of its
-write offset (a WAL's practice): a small record then lands inside the file, and its
-``fdatasync`` writes the pages without journalling a new file size each time (measured: about
-half the CPU of an append that grows the file). Sealing cuts the zeros off. A segment is sealed by size or age and handed
-to the flusher, which deletes it only after the store has the batch. A crash loses nothing
-acknowledged: on start the open segment is cut back to its last complete record (what follows
-is the zeroed stretch or a record the crash tore) and sealed.
-Each segment inserts under its own token (spool id + sequence number), so a segment that
-was written to the store just before a crash is not stored twice when it is replayed.
+Requests are written as framed records (magic, length, rows, CRC32, payload) one after
+another into the open segment; the magic says what the payload is: an OTLP protobuf request
+body as received and checked (:data:`OTLP`, decoded in bulk at flush time) or an Arrow IPC
+batch (:data:`ARROW`). Callers return only once their bytes are fsynced (group commit: one
+fsync covers every caller waiting at that moment). The open segment is zeroed a stretch ahead
+of its write offset (a WAL's practice): a small record then lands inside the file, and its
+``fdatasync`` writes the pages without journalling a new file size each time (a commit of four
+9-KB records: 205-222 -> 126-163 us of CPU). A segment is sealed by size or age (its zeros cut
+off) and handed to the flusher, which deletes it only after the store has the batch. A crash
+loses nothing acknowledged: on start the open segment is cut back to its last complete record
+(what follows is the zeroed stretch or a record the crash tore) and sealed. Each segment
+inserts under its own token (spool id + sequence number), so a segment that was written to the
+store just before a crash is not stored twice when it is replayed.
 """
 
 from __future__ import annotations
