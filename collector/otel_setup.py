@@ -61,6 +61,19 @@ def expand(records) -> list[tuple]:
     return out
 
 
+def _from_headers(parent) -> tuple:
+    """(trace id, parent span id, trace state) from W3C trace headers; a client's malformed
+    header must not cost the batch: (None, b"", "") then, a new trace."""
+    tp = parent.get("traceparent", "")
+    try:
+        tid, pid = bytes.fromhex(tp[3:35]), bytes.fromhex(tp[36:52])
+    except (ValueError, TypeError):
+        return None, b"", ""
+    if len(tid) != 16 or len(pid) != 8:
+        return None, b"", ""
+    return tid, pid, str(parent.get("tracestate", "") or "")
+
+
 class DeferredSpans:
     """Finished spans as plain tuples, bounded; turned into OTLP protobuf on the export thread.
 
@@ -138,28 +151,32 @@ class DeferredSpans:
         spans = []
         getrandbits = random.getrandbits
         every = YIELD_EVERY
+        ids: dict[int, tuple] = {}  # id(trace headers) -> (trace id, parent id, state): a request's spans share them
+        w_span = W.span
         for i, (name, start_s, end_s, attrs, parent) in enumerate(self._expanded(records)):
             if every and i and not i % every:
                 time.sleep(0)  # let a serving thread that waits for the GIL have it now, not in 5 ms
-            tid, pid, state = None, b"", ""
-            if isinstance(parent, Context):  # a Context is a dict too: check it first
+            if not parent:
+                tid, pid, state = None, b"", ""
+            elif parent.__class__ is dict:  # the request's W3C trace headers (a Context is a dict too)
+                key = id(parent)
+                got = ids.get(key)
+                if got is None:
+                    got = ids[key] = _from_headers(parent)
+                tid, pid, state = got
+            elif isinstance(parent, Context):
+                tid, pid, state = None, b"", ""
                 sc = trace.get_current_span(parent).get_span_context()
                 if sc.is_valid:
                     tid, pid = sc.trace_id.to_bytes(16, "big"), sc.span_id.to_bytes(8, "big")
-            elif parent:
-                tp = parent.get("traceparent", "")
-                try:  # a client's malformed header must not cost the batch: a new trace then
-                    tid, pid = bytes.fromhex(tp[3:35]), bytes.fromhex(tp[36:52])
-                    state = str(parent.get("tracestate", "") or "")
-                    if len(tid) != 16 or len(pid) != 8:
-                        tid, pid, state = None, b"", ""
-                except (ValueError, TypeError):
-                    tid, pid, state = None, b"", ""
+            else:
+                tid, pid, state = _from_headers(parent)
             if tid is None:
                 tid = getrandbits(128).to_bytes(16, "big")
             start = int(start_s * 1e9)
-            spans.append(W.span(tid, (getrandbits(64) or 1).to_bytes(8, "big"), pid, state, name,
-                                start, max(int(end_s * 1e9), start), attrs))
+            end = int(end_s * 1e9)
+            spans.append(w_span(tid, (getrandbits(64) or 1).to_bytes(8, "big"), pid, state, name,
+                                start, end if end > start else start, attrs))
         return W.resource_spans(self._resource_attrs, self.scope, spans)
 
     def materialize(self) -> int:

@@ -191,6 +191,46 @@ def test_wire_encoding_is_the_otlp_schema():
     assert list(ExportTraceServiceRequest.FromString(joined).resource_spans) == [expected, expected]
 
 
+def test_wire_varints_at_every_length_boundary():
+    """Ints and string lengths on both sides of each varint length (1 to 5 bytes, and past the
+    unrolled ones) parse, with the official classes, into the values written."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+    edges = [0, 1, 127, 128, 129, 16383, 16384, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**35, 2**63 - 1]
+    attrs = {f"i{n}": n for n in edges}
+    attrs |= {f"s{n}": "v" * n for n in (127, 128, 16383, 16384, 2**21 + 5)}
+    raw = W.span(bytes(16), bytes(range(1, 9)), bytes(range(9, 17)), "", "n", 5, 2**40, attrs)
+    got = Span.FromString(raw)
+    values = {kv.key: kv.value.int_value if kv.value.HasField("int_value") else kv.value.string_value
+              for kv in got.attributes}
+    assert values == attrs
+    assert (got.span_id, got.parent_span_id, got.end_time_unix_nano) == (bytes(range(1, 9)), bytes(range(9, 17)), 2**40)
+
+
+def test_spans_of_one_batch_keep_each_requests_trace_headers():
+    """A batch where requests' spans share their trace headers (one dict per request), one
+    request's header is malformed and one span has none: each span continues its own request's
+    trace, the malformed and the missing ones start traces of their own."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
+
+    a = {"traceparent": "00-" + "a1" * 16 + "-" + "b1" * 8 + "-01", "tracestate": "k=v"}
+    b = {"traceparent": "00-" + "a2" * 16 + "-" + "b2" * 8 + "-01"}
+    bad = {"traceparent": "00-" + "zz" * 16 + "-" + "b3" * 8 + "-01"}
+    d = DeferredSpans(None, Resource.create({"service.name": "t"}))
+    rs = ResourceSpans.FromString(d.encode([("qa", 1.0, 2.0, {}, a), ("qb", 1.0, 2.0, {}, b), ("pa", 1.0, 2.0, {}, a),
+                                            ("x", 1.0, 2.0, {}, bad), ("pb", 1.0, 2.0, {}, dict(b)),
+                                            ("none", 1.0, 2.0, {}, None)]))
+    spans = {s.name: s for s in rs.scope_spans[0].spans}
+    for name, h in (("qa", a), ("pa", a), ("qb", b), ("pb", b)):
+        tp = h["traceparent"]
+        assert (spans[name].trace_id.hex(), spans[name].parent_span_id.hex()) == (tp[3:35], tp[36:52]), name
+    assert spans["qa"].trace_state == spans["pa"].trace_state == "k=v" and spans["qb"].trace_state == ""
+    for name in ("x", "none"):
+        assert not spans[name].parent_span_id and spans[name].trace_id not in (spans["qa"].trace_id, spans["qb"].trace_id)
+    assert spans["x"].trace_id != spans["none"].trace_id
+    assert len({s.span_id for s in spans.values()}) == 6
+
+
 def test_poster_reports_refusals_and_a_dead_collector_without_raising(collector_factory):
     from ttftscope.collector.span_wire import parse_headers
 
