@@ -98,8 +98,9 @@ class CollectorProc:
         wait_http(self.url + "/healthz", self.proc)
         return self
 
-    def wait_quiet(self, quiet_s: float = 2.0, timeout: float = 60) -> float:
-        """Until no span has arrived for ``quiet_s`` (exporters drained), not a fixed sleep."""
+    def wait_quiet(self, quiet_s: float | None = None, timeout: float = 60) -> float:
+        """Until no span has arrived for ``quiet_s`` (exporters drained; default: longer than the
+        plugin's export interval, ``servers.settle_quiet_s``), not a fixed sleep."""
         from ttftscope.servers import wait_spans_settled
 
         n = wait_spans_settled(self.url, quiet_s, timeout)

@@ -106,6 +106,16 @@ def test_a_gloo_collective_is_one_call_from_its_op_to_its_work():
     assert [t for _, t in _with_backend_work(alone)] == [(0, 4), (10, 14), (20, 24)]
 
 
+def test_spans_count_as_settled_only_after_a_whole_export_interval_of_silence():
+    """The demo, `run`, `sweep` and the tests stop vLLM once no span has arrived for a while (it
+    may kill its engine core unflushed): that quiet must outlast the plugin's export interval,
+    whatever OTEL_BSP_SCHEDULE_DELAY says, or the last batches are cut off."""
+    from ttftscope.servers import settle_quiet_s
+
+    for env in ({}, {"OTEL_BSP_SCHEDULE_DELAY": "5000"}, {"OTEL_BSP_SCHEDULE_DELAY": "100"}):
+        assert settle_quiet_s(env) >= PluginConfig.from_env(env).interval_s + 1.0, env
+
+
 def test_config_honours_the_standard_otel_variables():
     c = PluginConfig.from_env({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
                                "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_MAX_QUEUE_SIZE": "1000",

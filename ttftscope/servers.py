@@ -32,10 +32,22 @@ def spans_received(collector_url: str) -> float:
                if line.startswith(M.SPANS_RECEIVED))
 
 
-def wait_spans_settled(collector_url: str, quiet_s: float = 2.0, timeout: float = 60) -> float:
-    """Until no span has reached the collector for ``quiet_s``: the plugin's exporters have
-    drained (they export every 0.5 s). Call it before stopping vLLM, which may kill its
+def settle_quiet_s(env: dict | None = None) -> float:
+    """How long no span may arrive before the plugin's exporters count as drained: longer than
+    their export interval (``OTEL_BSP_SCHEDULE_DELAY`` in ``env``, default: this process's
+    environment, which the vLLM servers it starts inherit), with 1.5 s to spare for a decode
+    run closing and a loaded collector answering."""
+    from ttftscope.collector.vllm_plugin.config import PluginConfig
+
+    return PluginConfig.from_env(env).interval_s + 1.5
+
+
+def wait_spans_settled(collector_url: str, quiet_s: float | None = None, timeout: float = 60) -> float:
+    """Until no span has reached the collector for ``quiet_s`` (default :func:`settle_quiet_s`):
+    the plugin's exporters have drained. Call it before stopping vLLM, which may kill its
     engine core without letting it flush."""
+    if quiet_s is None:
+        quiet_s = settle_quiet_s()
     deadline = time.monotonic() + timeout
     last, since = spans_received(collector_url), time.monotonic()
     while time.monotonic() < deadline:
