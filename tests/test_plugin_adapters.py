@@ -178,7 +178,9 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     monkeypatch.setattr(RT, "deferred", q)
     spans = []  # as the export thread sees them (attributes built)
 
-    def drain() -> None:
+    def drain() -> None:  # the step-flush thread folds the logged decode steps; the export thread builds
+        with st.runs_lock:
+            E.fold_steps(st)
         spans.extend((r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q))))
     st = E.EngineState()
     tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
@@ -198,7 +200,13 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
         drain()
 
     for i in range(10):  # decode steps 1..10, 3 running, 5 ms idle between them
-        step(1.0 + i * 0.018, {"a": 1, "b": 1, "c": 1})
+        out = NS(num_scheduled_tokens={"a": 1, "b": 1, "c": 1}, scheduled_new_reqs=[], total_num_scheduled_tokens=3)
+        t = 1.0 + i * 0.018
+        E._on_schedule(st, sched, out, t, t + 0.001)
+        E._on_step_done(st, sched, out, t + 0.011, t + 0.013)
+        assert len(q) == 0 and len(st.log) == 1, "a decode step is logged on the engine loop, folded off it"
+        assert st.decode_run is None or st.decode_run.steps == i, "and only the fold merges it"
+        drain()
     assert spans == [], "a run stays open while it grows"
     E._on_add(st, req)  # r1 arrives (queued from now until step 11 schedules it)
     queued_at = st.queued["cmpl-1-0-deadbeef"]
@@ -208,8 +216,13 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     step(2.1135, {"a": 1, "b": 1}, waiting=3)  # step 13, 0.5 ms after: the same run
     step(2.1365, {"a": 1, "b": 1}, waiting=1)  # step 14, after a 10 ms pause of the loop: a run of its own
     step(2.2, {"a": 1, "b": 1})  # step 15: nobody waits: the waiting run closes
-    names = [s[0] for s in spans]
-    assert names == [SpanName.STEP, SpanName.QUEUE, SpanName.PREFILL, SpanName.STEP, SpanName.STEP, SpanName.STEP], names
+    names = sorted(s[0] for s in spans)
+    assert names == sorted([SpanName.STEP, SpanName.QUEUE, SpanName.PREFILL, SpanName.STEP, SpanName.STEP,
+                            SpanName.STEP]), names
+    by = {(s[0], s[3].get(Attr.STEP)): s for s in spans}  # the queue span has no step
+    order = [(SpanName.STEP, 1), (SpanName.QUEUE, None), (SpanName.PREFILL, 11), (SpanName.STEP, 11),
+             (SpanName.STEP, 12), (SpanName.STEP, 14)]
+    spans = [by[k] for k in order]
     run, queue, pre, alone, waited, paused = (s[3] for s in spans)
     assert (waited[Attr.STEP], waited[Attr.STEP_LAST], waited[Attr.STEP_COUNT]) == (12, 13, 2)
     assert waited[Attr.WAITING] == 3 and waited[Attr.MAX_NUM_SEQS] == 3 and waited[Attr.STEP_FULL] == 2

@@ -8,7 +8,7 @@ import functools
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from ttftscope.schemas.phases import Phase
@@ -165,6 +165,14 @@ class DecodeRun:
     full: int = 0  # steps in which requests waited and every seat was held
 
 
+#: decode steps logged between folds at most (~0.25 s of steps): a bound, never reached while
+#: the step-flush thread runs
+STEP_LOG_MAX = 16_384
+
+#: a decode-only step as the engine loop logs it (a tuple: one append per step): (step, t0, t1,
+#: t_u0, t_u1, previous step's end, tokens scheduled, running, waiting, seats or 0)
+DecodeStep = tuple
+
 #: an engine-loop pause this long before a decode step with requests waiting starts a new run:
 #: the idle time shows as a gap between step spans (analyzer.gaps: engine bubbles), not inside
 #: a run (with nobody waiting, a pause cannot delay a first token: it stays in the run's idle)
@@ -178,7 +186,11 @@ class EngineState:
     pending: dict[int, PendingStep] = field(default_factory=dict)
     chunks: dict[str, int] = field(default_factory=dict)
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
-    lock: threading.Lock = field(default_factory=threading.Lock)  # queued, decode_run: other threads touch them
+    lock: threading.Lock = field(default_factory=threading.Lock)  # queued: other threads touch it
+    #: decode-only steps as the engine loop leaves them (``DecodeStep``; None: the open run ends
+    #: there), folded into runs off the loop (:func:`fold_steps`: the step-flush thread, every 0.25 s)
+    log: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG_MAX))
+    runs_lock: threading.Lock = field(default_factory=threading.Lock)  # decode_run and the folding
     decode_run: DecodeRun | None = None
     last_end: float = 0.0  # when the previous step's update_from_output returned
 
@@ -209,17 +221,22 @@ ST = EngineState()
 def _install_scheduler() -> None:
     from vllm.v1.core.sched import scheduler as sched
 
-    def flush_idle() -> None:  # a run of decode steps ends when the engine goes idle, too
+    def flush_idle() -> None:  # folds the logged decode steps; a run ends when the engine goes idle, too
         from ..otel_setup import name_native_thread
 
         name_native_thread("ttftscope-flush")
+        failed = False
         while True:
             time.sleep(0.25)
             try:
                 flush_decode_run(ST, idle_s=0.25)
-            except Exception:  # noqa: BLE001
-                log.exception("ttftscope: idle flush failed")
-                return
+            except Exception:  # noqa: BLE001 - keep folding (the log is bounded either way)
+                if not failed:
+                    failed = True
+                    log.exception("ttftscope: folding decode steps failed")
+                with ST.runs_lock:
+                    ST.log.clear()
+                    ST.decode_run = None
 
     threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
     at_exit(lambda: flush_decode_run(ST))
@@ -419,42 +436,18 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
         return
     step, t0, t1, work, running, waiting = p
     total = out.total_num_scheduled_tokens
+    if work is None:
+        # a decode-only step: logged as it is (one append), merged into runs off the engine loop
+        # (fold_steps); requests waiting and nothing scheduled: no span, the open run ends
+        if total:
+            st.log.append((step, t0, t1, t_u0, t_u1, prev_end, total, running, waiting,
+                           sched.max_num_running_reqs if waiting else 0))
+        elif waiting:
+            st.log.append(None)
+        return
+    st.log.append(None)  # this step's spans stand alone: the open run ends before it
     sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
     idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
-    if work is None:
-        # decode-only steps: merged into runs (one span a second at most), the steps with
-        # requests waiting apart from those without, a waiting run split where the loop idled
-        if not total:  # requests waiting, nothing scheduled: no span (as before)
-            if waiting:
-                flush_decode_run(st)
-            return
-        seats = sched.max_num_running_reqs if waiting else 0
-        full = 1 if waiting and running >= seats else 0
-        done = None
-        with st.lock:
-            r = st.decode_run
-            if r is None or (r.waiting > 0) != (waiting > 0) or (waiting and idle_s >= RUN_SPLIT_IDLE_S):
-                done, st.decode_run = r, DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s,
-                                                   idle_s, waiting, seats, full)
-                full_run = False
-            else:
-                r.end, r.last, r.steps, r.decode_tokens = t_u1, step, r.steps + 1, r.decode_tokens + total
-                if running > r.running:
-                    r.running = running
-                if waiting > r.waiting:
-                    r.waiting = waiting
-                r.full += full
-                r.schedule += sched_s
-                r.execute += exec_s
-                r.update += upd_s
-                r.idle += idle_s
-                full_run = r.steps >= 512 or t_u1 - r.start > 1.0
-        if done is not None:
-            span(SpanName.STEP, done.start, done.end, (_run_attrs, (done, st.engine)))
-        elif full_run:
-            flush_decode_run(st)
-        return
-    flush_decode_run(st)
     if any(c.prefix_hash is not None for c in work[0]) and _export_backed_up():
         for c in work[0]:  # let the prompts go now: the queue may hold these spans a long time
             if c.prefix_hash is not None:
@@ -491,8 +484,51 @@ def _export_backed_up() -> bool:
         return False
 
 
+def fold_steps(st: EngineState) -> None:
+    """Fold the decode steps the engine loop logged into runs, in order (with ``st.runs_lock``
+    held): consecutive decode-only steps merge into one run, all with nobody waiting or all with
+    requests waiting (then with the seats and how many steps held every one of them); a run ends
+    where the other kind begins, where a waiting run's loop idled ``RUN_SPLIT_IDLE_S``, at a
+    step with prefill work (a None in the log), and after 512 steps or a second."""
+    log, engine = st.log, st.engine
+    r = st.decode_run
+    while log:
+        d = log.popleft()
+        if d is None:
+            if r is not None:
+                span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, engine)))
+                r = None
+            continue
+        step, t0, t1, t_u0, t_u1, prev_end, total, running, waiting, seats = d
+        sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
+        idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
+        full = 1 if waiting and running >= seats else 0
+        if r is None or (r.waiting > 0) != (waiting > 0) or (waiting and idle_s >= RUN_SPLIT_IDLE_S):
+            if r is not None:
+                span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, engine)))
+            r = DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s, idle_s, waiting, seats, full)
+            continue
+        r.end, r.last, r.steps, r.decode_tokens = t_u1, step, r.steps + 1, r.decode_tokens + total
+        if running > r.running:
+            r.running = running
+        if waiting > r.waiting:
+            r.waiting = waiting
+        r.full += full
+        r.schedule += sched_s
+        r.execute += exec_s
+        r.update += upd_s
+        r.idle += idle_s
+        if r.steps >= 512 or t_u1 - r.start > 1.0:
+            span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, engine)))
+            r = None
+    st.decode_run = r
+
+
 def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
-    with st.lock:
+    """Fold what the engine loop logged, then end the open run: always, or (``idle_s``) only
+    when its last step closed that long ago (a run ends when the engine goes idle, too)."""
+    with st.runs_lock:
+        fold_steps(st)
         r = st.decode_run
         if r is None or (idle_s is not None and time.time() - r.end < idle_s):
             return
