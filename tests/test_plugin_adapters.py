@@ -113,7 +113,9 @@ def test_spans_count_as_settled_only_after_a_whole_export_interval_of_silence():
     from ttftscope.servers import settle_quiet_s
 
     for env in ({}, {"OTEL_BSP_SCHEDULE_DELAY": "5000"}, {"OTEL_BSP_SCHEDULE_DELAY": "100"}):
-        assert settle_quiet_s(env) >= PluginConfig.from_env(env).interval_s + 1.0, env
+        c = PluginConfig.from_env(env)
+        assert settle_quiet_s(env) >= max(c.interval_s, c.api_interval_s) + 1.0, env
+    assert PluginConfig.from_env({"OTEL_BSP_SCHEDULE_DELAY": "5000"}).api_interval_s == 5.0, "set: every process"
 
 
 def test_config_honours_the_standard_otel_variables():

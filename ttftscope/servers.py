@@ -39,7 +39,8 @@ def settle_quiet_s(env: dict | None = None) -> float:
     run closing and a loaded collector answering."""
     from ttftscope.collector.vllm_plugin.config import PluginConfig
 
-    return PluginConfig.from_env(env).interval_s + 1.5
+    cfg = PluginConfig.from_env(env)
+    return max(cfg.interval_s, cfg.api_interval_s) + 1.5
 
 
 def wait_spans_settled(collector_url: str, quiet_s: float | None = None, timeout: float = 60) -> float:
