@@ -72,13 +72,13 @@ class PluginConfig:
     max_queue: int = 8192
     max_batch: int = 512
     #: an export thread wakes this often (or when ``max_batch`` spans wait): each wake-up costs
-    #: ~1.3 ms of CPU in a serving process (a cold encode and a post; bench/overhead measured the
-    #: export threads -37 to -47 % per request at 2 s against 0.5 s), and a span reaches the store
+    #: ~1.3 ms of CPU in a serving process (a cold encode and a post; real vLLM through bench/overhead's
+    #: harness, two interleaved rounds: export threads -36 to -52 % per request at 2 s against 0.5 s), and a span reaches the store
     #: within about this plus the collector's own 2-s flush. The OpenTelemetry SDK's default is 5 s.
     interval_s: float = DEFAULT_INTERVAL_MS / 1000
-    #: the API server's export interval: its event loop reads the clients' requests, and a 2-s
-    #: batch's encoding there left 3 of 24 requests 4-5 ms longer at the client than in the
-    #: server's window (a client-TTFT truth test); at 0.5 s its batches are small
+    #: the API server's export interval: its event loop reads the clients' requests; with 2 s there
+    #: a client-TTFT truth test failed once (3 of 24 requests 4-5 ms longer at the client than in
+    #: the server's window), not proven to be the cause: 0.5 s, as before, until measured
     api_interval_s: float = DEFAULT_API_INTERVAL_MS / 1000
     #: a loaded collector may take seconds to answer (it fsyncs before it acknowledges): only the
     #: export thread waits, and a batch that times out is counted failed, never sent twice

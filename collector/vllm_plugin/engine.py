@@ -496,7 +496,7 @@ def fold_steps(st: EngineState) -> None:
         d = log.popleft()
         if d is None:
             if r is not None:
-                span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, engine)))
+                _emit_run(r, engine)
                 r = None
             continue
         step, t0, t1, t_u0, t_u1, prev_end, total, running, waiting, seats = d
@@ -505,7 +505,7 @@ def fold_steps(st: EngineState) -> None:
         full = 1 if waiting and running >= seats else 0
         if r is None or (r.waiting > 0) != (waiting > 0) or (waiting and idle_s >= RUN_SPLIT_IDLE_S):
             if r is not None:
-                span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, engine)))
+                _emit_run(r, engine)
             r = DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s, idle_s, waiting, seats, full)
             continue
         r.end, r.last, r.steps, r.decode_tokens = t_u1, step, r.steps + 1, r.decode_tokens + total
@@ -519,7 +519,7 @@ def fold_steps(st: EngineState) -> None:
         r.update += upd_s
         r.idle += idle_s
         if r.steps >= 512 or t_u1 - r.start > 1.0:
-            span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, engine)))
+            _emit_run(r, engine)
             r = None
     st.decode_run = r
 
@@ -533,7 +533,11 @@ def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
         if r is None or (idle_s is not None and time.time() - r.end < idle_s):
             return
         st.decode_run = None
-    span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, st.engine)))
+    _emit_run(r, st.engine)
+
+
+def _emit_run(r: DecodeRun, engine: str) -> None:
+    span(SpanName.STEP, r.start, r.end, (_run_attrs, (r, engine)))
 
 
 def _run_attrs(r: DecodeRun, engine: str) -> dict:
