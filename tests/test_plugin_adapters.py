@@ -5,6 +5,7 @@ decision reads vLLM's own config, configuration honours the OTEL_* variables, an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -67,6 +68,45 @@ def test_eager_or_compiled_is_read_from_vllms_compilation_config():
     assert model_runs_eagerly(cfg(CompilationMode.NONE, CUDAGraphMode.NONE))
     assert not model_runs_eagerly(cfg(CompilationMode.VLLM_COMPILE, CUDAGraphMode.NONE))
     assert not model_runs_eagerly(cfg(CompilationMode.NONE, CUDAGraphMode.PIECEWISE))
+
+
+@pytest.mark.parametrize("eager, tp, profile_every, wrapped", [
+    (False, 2, 0, False),  # vLLM's default (compiled): nothing of ours can run per step
+    (True, 1, 0, False),  # eager, but no collectives to time with TP = 1
+    (None, 1, 0, False),  # the eager/compiled adapter did not run (disabled): nothing hooked
+    (True, 2, 0, True),  # eager TP = 2: each step's all-reduces become a span
+    (False, 2, 4, True),  # compiled, sampled profiler windows
+    (False, 1, 8, True)])
+def test_the_worker_step_wrapper_steps_aside_when_it_has_nothing_to_time(monkeypatch, eager, tp, profile_every,
+                                                                         wrapped):
+    """The worker's execute_model wrapper costs every step a few microseconds; it puts vLLM's
+    method back after the first step unless per-call collective timing or profiler windows
+    need it, and a step still returns vLLM's output either way."""
+    from ttftscope.collector.vllm_plugin import worker as W
+    from vllm.distributed import parallel_state as ps
+    from vllm.v1.worker import gpu_worker
+
+    calls = []
+
+    def vllms(self, scheduler_output, *a, **kw):  # stands in for vLLM's method (no model here)
+        calls.append(scheduler_output)
+        return ("output", scheduler_output)
+
+    monkeypatch.setattr(gpu_worker.Worker, "execute_model", vllms)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(W, "WS", W.WorkerState(eager=eager))
+    monkeypatch.setattr(W.RT, "config", dataclasses.replace(W.RT.config, profile_every=profile_every))
+    monkeypatch.setattr(W, "_profiled", lambda ws, orig, *a, **kw: orig(*a, **kw))  # no torch.profiler here
+    W._install_worker_steps()
+    ours = gpu_worker.Worker.execute_model
+    assert ours is not vllms
+    for step in range(3):
+        out = gpu_worker.Worker.execute_model(object(), SimpleNamespace(_ttftscope_step=step))
+        assert out[0] == "output" and out[1]._ttftscope_step == step
+    assert len(calls) == 3
+    assert (gpu_worker.Worker.execute_model is ours) == wrapped
+    assert (gpu_worker.Worker.execute_model is vllms) == (not wrapped)
 
 
 @pytest.mark.parametrize("name, collective", [

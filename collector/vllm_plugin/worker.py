@@ -45,6 +45,14 @@ class WorkerState:
     cuda_pending: list = field(default_factory=list)
     calls: int = 0  # execute_model calls, for the sampled profiler windows
     profile_every: int = 0
+    release_steps: object = None  # puts vLLM's own execute_model back (set by the worker-steps adapter)
+
+
+def steps_needed(ws: WorkerState) -> bool:
+    """Whether the step wrapper has anything to do in this worker: collectives timed per call
+    (an eager model with TP > 1) or sampled profiler windows. Otherwise (vLLM's default compiled
+    mode, or TP = 1 without windows) it would cost every step a few microseconds for nothing."""
+    return bool(ws.profile_every) or (bool(ws.eager) and ws.tp > 1)
 
 
 WS = WorkerState()
@@ -148,6 +156,14 @@ def _install_worker_steps() -> None:
     orig = gpu_worker.Worker.execute_model  # CPUWorker inherits it
 
     floor = timing_floor if RT.config.self_timing_dir else None
+
+    def release() -> None:
+        if gpu_worker.Worker.execute_model is execute_model:
+            gpu_worker.Worker.execute_model = orig
+            log.info("ttftscope: nothing to time per step in this worker (compiled or TP=1, no profiler "
+                     "windows): vLLM's execute_model runs unwrapped")
+
+    WS.release_steps = release
 
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *a, **kw):
@@ -336,6 +352,8 @@ def _on_exec_start(ws: WorkerState, scheduler_output) -> None:
             ws.tp = ps.get_tensor_model_parallel_world_size()
         except AssertionError:  # no TP group (e.g. an offline engine without one)
             ws.rank, ws.tp = 0, 1
+        if not steps_needed(ws) and ws.release_steps is not None:
+            ws.release_steps()  # from the next step on; this one ends as usual
 
 
 @guard("exec_end")
