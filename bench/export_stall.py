@@ -7,7 +7,7 @@ plugin-shaped spans back to back (the worst case: a full queue). Reported: how l
 serving thread gets back to work after each wait (p50 / p99 / max, ms), for
   alone        no export thread (the floor, same run)
   no yield     the export thread never gives the GIL away (CPython's 5 ms switch interval)
-  yield N      the export thread gives it away every N spans (the plugin's YIELD_EVERY)
+  yield Nms    the export thread gives it away after N ms of encoding (the plugin's YIELD_S)
 
 Usage: python bench/export_stall.py [--seconds 5]
 """
@@ -33,8 +33,8 @@ def _records(n: int) -> list[tuple]:
             for i in range(n)]
 
 
-def run(seconds: float, export: bool, every: int) -> list[float]:
-    otel_setup.YIELD_EVERY = every
+def run(seconds: float, export: bool, every_s: float) -> list[float]:
+    otel_setup.YIELD_S = every_s
     d = otel_setup.DeferredSpans(tracer=None, resource=None)
     recs = _records(512)
     stop = threading.Event()
@@ -66,9 +66,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     a = ap.parse_args()
     print(f"{'export thread':<16}{'wake-ups':>10}{'late p50 ms':>13}{'p99 ms':>9}{'max ms':>9}")
-    for name, export, every in (("alone", False, 0), ("no yield", True, 0),
-                                (f"yield {otel_setup.YIELD_EVERY}", True, otel_setup.YIELD_EVERY)):
-        late = sorted(run(a.seconds, export, every))
+    every = otel_setup.YIELD_S
+    for name, export, every_s in (("alone", False, 0), ("no yield", True, 0), (f"yield {every * 1e3:g}ms", True, every)):
+        late = sorted(run(a.seconds, export, every_s))
         p99 = late[int(0.99 * (len(late) - 1))]
         print(f"{name:<16}{len(late):>10}{statistics.median(late):>13.3f}{p99:>9.3f}{late[-1]:>9.3f}", flush=True)
 

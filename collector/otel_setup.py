@@ -38,10 +38,35 @@ def name_native_thread(name: str) -> None:
         pass
 
 
-#: the export thread gives the GIL away after encoding this many spans (about a millisecond):
-#: vLLM's engine loop, waiting for the GIL behind it, would otherwise wait for CPython's switch
-#: interval (5 ms) each time (bench/export_stall.py). 0: never.
-YIELD_EVERY = 32
+#: the export thread gives the GIL away after encoding for this long (seconds): vLLM's engine
+#: loop or API server's event loop, waiting for the GIL behind it, would otherwise wait for
+#: CPython's switch interval (5 ms) each time (bench/export_stall.py). By time, not by a count
+#: of spans: a span of vLLM's ``llm_request`` costs ~3x one of ours to encode, and a serving
+#: process encodes several times slower than a quiet one, so 32 of them ran past 5 ms in the API
+#: server at a 2-s interval. 0: never.
+YIELD_S = 0.0005
+
+
+#: SDK spans per call of the SDK's own encoder (only for spans ``sdk_request`` cannot write)
+SDK_SLICE = 8
+
+
+class GilYield:
+    """Called once per span while encoding: gives the GIL away (``time.sleep(0)``) once
+    ``YIELD_S`` has passed since it last did."""
+
+    __slots__ = ("last", "every_s", "yields")
+
+    def __init__(self, every_s: float | None = None) -> None:
+        self.every_s = YIELD_S if every_s is None else every_s
+        self.last = time.perf_counter()
+        self.yields = 0
+
+    def __call__(self) -> None:
+        if self.every_s and time.perf_counter() - self.last >= self.every_s:
+            time.sleep(0)
+            self.yields += 1
+            self.last = time.perf_counter()
 
 
 def attributes(attrs) -> dict:
@@ -113,13 +138,15 @@ class DeferredSpans:
         """Several spans' records, made by ``build(*args)`` on the export thread."""
         self.add(None, 0.0, 0.0, (build, args))
 
-    def _expanded(self, records: list[tuple]) -> list[tuple]:
+    def _expanded(self, records: list[tuple], tick=None) -> list[tuple]:
         """:func:`expand`, one record at a time: a record whose attributes cannot be built is
         dropped (counted, logged once), not the batch."""
         if all(r[0] is not None and r[3].__class__ is not tuple for r in records):
             return records
         out = []
         for r in records:
+            if tick is not None:
+                tick()
             try:
                 out += expand((r,))
             except Exception:  # noqa: BLE001 - one bad record must not cost the batch
@@ -139,8 +166,9 @@ class DeferredSpans:
         """``records`` (from :meth:`take`) first in line again: the collector refused them."""
         self._q.extendleft(reversed(records))
 
-    def encode(self, records: list[tuple]) -> bytes:
-        """One OTLP ``ResourceSpans`` holding ``records``, serialized (``span_wire``)."""
+    def encode(self, records: list[tuple], tick: GilYield | None = None) -> bytes:
+        """One OTLP ``ResourceSpans`` holding ``records``, serialized (``span_wire``); ``tick``
+        (called once per span) gives the GIL away now and then."""
         from opentelemetry import trace
         from opentelemetry.context import Context
 
@@ -150,12 +178,11 @@ class DeferredSpans:
             self._resource_attrs = dict(self.resource.attributes) if self.resource is not None else {}
         spans = []
         getrandbits = random.getrandbits
-        every = YIELD_EVERY
+        tick = tick or GilYield()
         ids: dict[int, tuple] = {}  # id(trace headers) -> (trace id, parent id, state): a request's spans share them
         w_span = W.span
-        for i, (name, start_s, end_s, attrs, parent) in enumerate(self._expanded(records)):
-            if every and i and not i % every:
-                time.sleep(0)  # let a serving thread that waits for the GIL have it now, not in 5 ms
+        for name, start_s, end_s, attrs, parent in self._expanded(records, tick):
+            tick()  # let a serving thread that waits for the GIL have it now, not in 5 ms
             if not parent:
                 tid, pid, state = None, b"", ""
             elif parent.__class__ is dict:  # the request's W3C trace headers (a Context is a dict too)
@@ -258,26 +285,27 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             res = self.exporter.export(sdk_spans)
             return getattr(res, "name", "SUCCESS") == "SUCCESS"
         body = b""
+        tick = GilYield()
         if sdk_spans:
             from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
             from .span_wire import sdk_request
 
-            # in slices, giving the GIL away between them (see YIELD_EVERY); serialized
-            # requests concatenate into one request. vLLM's spans are written directly (the
-            # SDK's message, a fraction of its encoder's cost) unless one needs that encoder.
-            step = YIELD_EVERY or len(sdk_spans)
-            parts = []
-            for i in range(0, len(sdk_spans), step):
-                if i:
-                    time.sleep(0)
-                part = sdk_request(sdk_spans[i:i + step])
-                parts.append(part if part is not None else encode_spans(sdk_spans[i:i + step]).SerializeToString())
-            body = b"".join(parts)
+            # vLLM's spans are written directly (the SDK's message, a fraction of its
+            # encoder's cost), giving the GIL away as they go (GilYield); else through that
+            # encoder in slices, with the GIL given away between them. Serialized requests
+            # concatenate into one request.
+            body = sdk_request(sdk_spans, tick=tick)
+            if body is None:
+                parts = []
+                for i in range(0, len(sdk_spans), SDK_SLICE):
+                    tick()
+                    parts.append(encode_spans(sdk_spans[i:i + SDK_SLICE]).SerializeToString())
+                body = b"".join(parts)
         if records:  # repeated fields concatenate: our ResourceSpans joins the SDK's request
             from .span_wire import request_entry
 
-            body += request_entry(src.encode(records))
+            body += request_entry(src.encode(records, tick))
         r = client.export(body)
         self._status = getattr(client, "last_status", None) or getattr(r, "status_code", 0) or 0
         return bool(r) if isinstance(r, bool) else bool(getattr(r, "success", r))

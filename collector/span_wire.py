@@ -172,12 +172,15 @@ def _sdk_span(s) -> bytes | None:
 _RESOURCES: dict = {}  # SDK Resource -> its encoded Resource message (a process has one or two)
 
 
-def sdk_request(spans) -> bytes | None:
+def sdk_request(spans, tick=None) -> bytes | None:
     """SDK ``ReadableSpan``s as a serialized ``ExportTraceServiceRequest``, grouped by resource
     and scope as the SDK's encoder groups them (the same message, at a fraction of its cost);
-    None if any span or resource needs what only that encoder writes."""
+    None if any span or resource needs what only that encoder writes. ``tick``, when given, is
+    called before each span (the export thread gives the GIL away there now and then)."""
     groups: dict = {}
     for s in spans:
+        if tick is not None:
+            tick()
         b = _sdk_span(s)
         if b is None:
             return None
