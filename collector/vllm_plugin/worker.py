@@ -9,6 +9,8 @@ timing is installed only when the worker's own configuration says the model runs
 (``CompilationConfig.mode == NONE`` and no CUDA graphs), decided when the model is loaded,
 before anything is compiled. Otherwise collectives are seen through the sampled
 torch.profiler windows (``TTFTSCOPE_PROFILE_EVERY``), which wrap a whole step from outside.
+A worker with nothing to time per step (compiled or TP = 1, and no windows: vLLM's defaults)
+hands vLLM's own ``execute_model`` back after its first step (:func:`steps_needed`).
 """
 
 from __future__ import annotations
