@@ -314,13 +314,32 @@ def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypa
     async def receive():
         return {"type": "http.request", "body": b'{"prompt": "x", "stream": true}', "more_body": False}
 
-    async def send(msg):
-        return None
+    sent, direct = [], []
 
+    async def server_send(msg):
+        sent.append(msg.get("body", b""))
+
+    def send(msg):  # the server's send; later chunks' awaitables must be its own
+        aw = server_send(msg)
+        direct.append(aw)
+        return aw
+
+    class App:  # records what awaiting the middleware's send gives back
+        async def __call__(self, scope, receive, send_):
+            async def watched(msg):
+                aw = send_(msg)
+                direct_back.append(aw)
+                return await aw
+            await app(scope, receive, watched)
+
+    direct_back = []
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
              "headers": [(b"traceparent", b"00-" + b"ab" * 16 + b"-" + b"cd" * 8 + b"-01")]}
     t0 = time.time()
-    asyncio.run(H.ClientTTFTMiddleware(app)(scope, receive, send))
+    asyncio.run(H.ClientTTFTMiddleware(App())(scope, receive, send))
+    assert sent == [b"", chunk(""), chunk("Hello"), b"data: [DONE]\n\n"], "every message reaches the server, in order"
+    # after the chunk with text, the last one went straight through (the server's own awaitable)
+    assert direct_back[-1] is direct[-1] and direct_back[1] is not direct[1]
     (http,) = [s for s in spans if s[0] == SpanName.HTTP]
     assert http[3][Attr.REQUEST_ID] == "cmpl-7" and http[3][Attr.HTTP_STREAMING] is True
     assert http[2] - t0 >= gap_s, "TTFT ends at the chunk with text"

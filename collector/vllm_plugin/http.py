@@ -142,7 +142,14 @@ class ClientTTFTMiddleware:
                 st["priority"] = _priority_of(msg.get("body", b""))
             return msg
 
-        async def send_wrapper(msg):
+        def send_wrapper(msg):
+            # once the first token's bytes are out, every later chunk (a stream's every token)
+            # goes straight to the server's send: its own awaitable, no coroutine of ours
+            if st["done"]:
+                return send(msg)
+            return watch(msg)
+
+        async def watch(msg):
             kind = msg.get("type")
             if kind == "http.response.start":
                 st["status"] = msg.get("status", 0)
