@@ -157,7 +157,7 @@ class ClientTTFTMiddleware:
                     if k.lower() == b"content-type":
                         st["stream"] = v.lower().startswith(b"text/event-stream")
                 return await send(msg)
-            if kind != "http.response.body" or st["done"]:
+            if kind != "http.response.body":
                 return await send(msg)
             body = msg.get("body", b"")
             first, choice, more = False, False, msg.get("more_body", False)
