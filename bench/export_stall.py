@@ -7,7 +7,9 @@ plugin-shaped spans back to back (the worst case: a full queue). Reported: how l
 serving thread gets back to work after each wait (p50 / p99 / max, ms), for
   alone        no export thread (the floor, same run)
   no yield     the export thread never gives the GIL away (CPython's 5 ms switch interval)
-  yield Nms    the export thread gives it away after N ms of encoding (the plugin's YIELD_S)
+  yield Nms    the export thread gives it away after N ms of encoding (the plugin's YIELD_S),
+               sleeping 0 (``time.sleep(0)``: it may take the GIL straight back) or, as the
+               plugin does, YIELD_SLEEP_S (the waiting thread gets it every time)
 
 Usage: python bench/export_stall.py [--seconds 5]
 """
@@ -33,8 +35,8 @@ def _records(n: int) -> list[tuple]:
             for i in range(n)]
 
 
-def run(seconds: float, export: bool, every_s: float) -> list[float]:
-    otel_setup.YIELD_S = every_s
+def run(seconds: float, export: bool, every_s: float, sleep_s: float = otel_setup.YIELD_SLEEP_S) -> list[float]:
+    otel_setup.YIELD_S, otel_setup.YIELD_SLEEP_S = every_s, sleep_s
     d = otel_setup.DeferredSpans(tracer=None, resource=None)
     recs = _records(512)
     stop = threading.Event()
@@ -65,12 +67,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
     a = ap.parse_args()
-    print(f"{'export thread':<16}{'wake-ups':>10}{'late p50 ms':>13}{'p99 ms':>9}{'max ms':>9}")
-    every = otel_setup.YIELD_S
-    for name, export, every_s in (("alone", False, 0), ("no yield", True, 0), (f"yield {every * 1e3:g}ms", True, every)):
-        late = sorted(run(a.seconds, export, every_s))
+    print(f"{'export thread':<26}{'wake-ups':>10}{'late p50 ms':>13}{'p99 ms':>9}{'max ms':>9}{'> 4 ms':>8}")
+    every, nap = otel_setup.YIELD_S, otel_setup.YIELD_SLEEP_S
+    for name, export, every_s, sleep_s in (("alone", False, 0, 0), ("no yield", True, 0, 0),
+                                           (f"yield {every * 1e3:g}ms, sleep 0", True, every, 0),
+                                           (f"yield {every * 1e3:g}ms, sleep {nap * 1e6:g}us", True, every, nap)):
+        late = sorted(run(a.seconds, export, every_s, sleep_s))
         p99 = late[int(0.99 * (len(late) - 1))]
-        print(f"{name:<16}{len(late):>10}{statistics.median(late):>13.3f}{p99:>9.3f}{late[-1]:>9.3f}", flush=True)
+        print(f"{name:<26}{len(late):>10}{statistics.median(late):>13.3f}{p99:>9.3f}{late[-1]:>9.3f}"
+              f"{sum(x > 4 for x in late):>8}", flush=True)
 
 
 if __name__ == "__main__":

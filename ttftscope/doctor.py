@@ -70,7 +70,7 @@ def run_checks(store_url: str | None = None, *, check_collector: bool = True) ->
     ratio_status = "warn" if cfg.sample_ratio == 0 else "info"
     out.append(Check("sampling", ratio_status, f"{cfg.sample_ratio:g} of requests ({cfg.sample_source}); "
                                                "a client's sampled traceparent flag wins"))
-    out.append(Check("export", "info", f"every {cfg.interval_s:g}s (the API server every {cfg.api_interval_s:g}s), batches of {cfg.max_batch}, queue {cfg.max_queue} "
+    out.append(Check("export", "info", f"every {cfg.interval_s:g}s, batches of {cfg.max_batch}, queue {cfg.max_queue} "
                                        f"spans (dropped past it), timeout {cfg.export_timeout_s:g}s"))
     if cfg.profile_every:
         out.append(Check("profiler windows", "info", f"every {cfg.profile_every}th worker step under torch.profiler"))

@@ -40,7 +40,7 @@ def settle_quiet_s(env: dict | None = None) -> float:
     from ttftscope.collector.vllm_plugin.config import PluginConfig
 
     cfg = PluginConfig.from_env(env)
-    return max(cfg.interval_s, cfg.api_interval_s) + 1.5
+    return cfg.interval_s + 1.5
 
 
 def wait_spans_settled(collector_url: str, quiet_s: float | None = None, timeout: float = 60) -> float:

@@ -52,8 +52,6 @@ def _endpoint(env: Mapping[str, str]) -> str:
 
 #: the export threads' default interval (``OTEL_BSP_SCHEDULE_DELAY``, ms); see ``interval_s``
 DEFAULT_INTERVAL_MS = 2000
-#: the API server's, unless OTEL_BSP_SCHEDULE_DELAY is set; see ``api_interval_s``
-DEFAULT_API_INTERVAL_MS = 500
 
 
 @dataclass(frozen=True)
@@ -75,13 +73,10 @@ class PluginConfig:
     #: ~1.3 ms of CPU in a serving process (a cold encode and a post; real vLLM through bench/overhead's
     #: harness, two interleaved rounds: export threads -36 to -52 % per request at 2 s against 0.5 s), and a span reaches the store
     #: within about this plus the collector's own 2-s flush. The OpenTelemetry SDK's default is 5 s.
+    #: The API server's too (its event loop reads the clients' requests): the export thread gives
+    #: the GIL away every ``otel_setup.YIELD_S`` of encoding, so a bigger batch does not hold it
+    #: longer (README: "The export threads")
     interval_s: float = DEFAULT_INTERVAL_MS / 1000
-    #: the API server's export interval: its event loop reads the clients' requests. At 2 s, with
-    #: the GIL given away every 32 spans, a few clients waited 5 ms (vLLM's ``llm_request`` spans
-    #: held it past the switch interval; now given away by time, ``otel_setup.YIELD_S``); at 2 s
-    #: after that fix one clean-clone run failed the delivery-stall truth test (a tokenize finding
-    #: besides deliver), not understood: 0.5 s until it is
-    api_interval_s: float = DEFAULT_API_INTERVAL_MS / 1000
     #: a loaded collector may take seconds to answer (it fsyncs before it acknowledges): only the
     #: export thread waits, and a batch that times out is counted failed, never sent twice
     export_timeout_s: float = 10.0
@@ -107,7 +102,6 @@ class PluginConfig:
             max_queue=int(_float(env, "OTEL_BSP_MAX_QUEUE_SIZE", 8192, 64)),
             max_batch=int(_float(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, 1)),
             interval_s=_float(env, "OTEL_BSP_SCHEDULE_DELAY", DEFAULT_INTERVAL_MS, 10) / 1000,
-            api_interval_s=_float(env, "OTEL_BSP_SCHEDULE_DELAY", DEFAULT_API_INTERVAL_MS, 10) / 1000,
             export_timeout_s=_float(env, "OTEL_BSP_EXPORT_TIMEOUT", 10_000, 100) / 1000,
             disabled=frozenset(x.strip() for x in env.get("TTFTSCOPE_DISABLE", "").split(",") if x.strip()),
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ttftscope.schemas.vocabulary import VOCABULARY_VERSION, Attr, ProcessRole, ResourceAttr
+from ttftscope.schemas.vocabulary import VOCABULARY_VERSION, Attr, ResourceAttr
 
 from .config import PluginConfig
 
@@ -165,7 +165,7 @@ def setup_otel(role: str) -> None:
     provider = TracerProvider(resource=resource)
     proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.endpoint, timeout=cfg.export_timeout_s),
                                      max_queue=cfg.max_queue, max_batch=cfg.max_batch,
-                                     interval_s=cfg.api_interval_s if role == ProcessRole.API_SERVER.value else cfg.interval_s,
+                                     interval_s=cfg.interval_s,
                                      poster=_poster(cfg))
     provider.add_span_processor(proc)
     if not hasattr(trace.get_tracer_provider(), "add_span_processor"):
