@@ -119,10 +119,11 @@ class DeferredSpans:
     instead, for exporters that need them."""
 
     def __init__(self, tracer, resource=None, *, scope: tuple[str, str] = ("ttftscope.vllm", "0.1.0"),
-                 max_queue: int = 8192, max_batch: int = 512) -> None:
+                 max_queue: int = 8192, max_batch: int = 512, kind=None) -> None:
         self.tracer = tracer
         self.resource = resource
         self.scope = scope
+        self.kind = kind  # the API's SpanKind of every span of this source (None: INTERNAL)
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.dropped = 0
@@ -189,6 +190,7 @@ class DeferredSpans:
         tick = tick or GilYield()
         ids: dict[int, tuple] = {}  # id(trace headers) -> (trace id, parent id, state): a request's spans share them
         w_span = W.span
+        kind = W.span_kind(self.kind.value if self.kind is not None else 0)
         for name, start_s, end_s, attrs, parent in self._expanded(records, tick):
             tick()  # let a serving thread that waits for the GIL have it now, not in 5 ms
             if not parent:
@@ -204,6 +206,7 @@ class DeferredSpans:
                 sc = trace.get_current_span(parent).get_span_context()
                 if sc.is_valid:
                     tid, pid = sc.trace_id.to_bytes(16, "big"), sc.span_id.to_bytes(8, "big")
+                    state = sc.trace_state.to_header() if sc.trace_state else ""
             else:
                 tid, pid, state = _from_headers(parent)
             if tid is None:
@@ -211,7 +214,7 @@ class DeferredSpans:
             start = int(start_s * 1e9)
             end = int(end_s * 1e9)
             spans.append(w_span(tid, (getrandbits(64) or 1).to_bytes(8, "big"), pid, state, name,
-                                start, end if end > start else start, attrs))
+                                start, end if end > start else start, attrs, kind))
         return W.resource_spans(self._resource_attrs, self.scope, spans)
 
     def materialize(self) -> int:
@@ -226,7 +229,8 @@ class DeferredSpans:
                 # values computed when encoded (prefix hashes) become the strings they stand for
                 attrs = {k: v if isinstance(v, (str, bool, int, float)) or v is None else str(v)
                          for k, v in attrs.items()}
-                span = self.tracer.start_span(name, context=ctx, start_time=int(start_s * 1e9), attributes=attrs)
+                span = self.tracer.start_span(name, context=ctx, start_time=int(start_s * 1e9), attributes=attrs,
+                                              **({"kind": self.kind} if self.kind is not None else {}))
                 span.end(end_time=int(max(end_s, start_s) * 1e9))
                 n += 1
         return n

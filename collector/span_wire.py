@@ -114,15 +114,21 @@ def key_values(tag: bytes, attrs: Mapping) -> bytes:
 
 
 def span(trace_id: bytes, span_id: bytes, parent_id: bytes, state: str, name: str,
-         start_ns: int, end_ns: int, attrs: Mapping) -> bytes:
-    """One ``Span`` (kind INTERNAL)."""
+         start_ns: int, end_ns: int, attrs: Mapping, kind: bytes = b"\x30\x01") -> bytes:
+    """One ``Span``; ``kind``: the field as written (``span_kind``: INTERNAL unless told)."""
     head = b"\x0a\x10" + trace_id + b"\x12\x08" + span_id
     if state:
         head += field(b"\x1a", state.encode())
     if parent_id:
         head += (b"\x22\x08" + parent_id) if len(parent_id) == 8 else field(b"\x22", parent_id)
-    return b"".join((head, _NAMES.get(name) or _cached(_NAMES, b"\x2a", name), b"\x30\x01\x39",
+    return b"".join((head, _NAMES.get(name) or _cached(_NAMES, b"\x2a", name), kind, b"\x39",
                      _pack_q(start_ns & _MASK64), b"\x41", _pack_q(end_ns & _MASK64), key_values(b"\x4a", attrs)))
+
+
+def span_kind(kind: int) -> bytes:
+    """``Span.kind`` as ``span`` takes it, from the OpenTelemetry API's ``SpanKind`` value
+    (INTERNAL 0, SERVER 1 ...; OTLP counts from 1)."""
+    return b"\x30" + _SMALL[kind + 1]
 
 
 def resource_spans(resource_attrs: Mapping, scope: tuple[str, str], spans: list[bytes]) -> bytes:

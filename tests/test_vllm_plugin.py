@@ -29,7 +29,8 @@ def tp1(tmp_path_factory):
     traceparents. vLLM's own /metrics are read at the end as the witness."""
     tmp = tmp_path_factory.mktemp("tp1")
     col = CollectorProc(str(tmp / "store"), tmp / "spool").start()
-    srv = VllmServer(tmp, col.url + "/v1/traces", run="tp1").start()
+    # the plugin's own accounting on (per hook and process: which hooks ran where)
+    srv = VllmServer(tmp, col.url + "/v1/traces", run="tp1", env={"TTFTSCOPE_SELF_TIMING": str(tmp / "self")}).start()
     try:
         ids = {"long": [], "short": [], "chat": [], "stream": [], "prefix": []}
         # the first CPU forward is slow (lazy kernels), and so is the API server's first stream:
@@ -132,9 +133,15 @@ def test_every_adapter_is_active_in_a_compiled_server(tp1):
     assert "ttftscope: adapter" not in log, [ln for ln in log.splitlines() if "ttftscope: adapter" in ln]
     active = " ".join(ln for ln in log.splitlines() if "ttftscope plugin active" in ln)
     # (the API server loads plugins before vLLM configures its log handlers: its adapters are
-    # checked by their spans in the other tests — tokenize, output, llm_request)
+    # checked by their spans in the other tests — tokenize, output, llm_request — and by its
+    # accounting below)
     for name in ("scheduler", "engine-ready", "collectives-eager", "worker-steps", "worker-ready"):
         assert name in active, (name, active)
+    # every request's llm_request, vLLM's own span, was recorded by the plugin on the API server,
+    # not built by the OpenTelemetry SDK (vllm-request-span: its hook ran once per request)
+    (api,) = [json.loads(p.read_text()) for p in (srv.log.parent / "self").glob("api_server-*.json")]
+    calls = {k: v[0] for k, v in api["per_hook"].items()}
+    assert calls.get("llm_request", 0) == calls.get("output", -1) >= 20, calls
     assert "failed and is now disabled" not in log
     # compiled, TP = 1, no profiler windows: the worker's step wrapper had nothing to time and
     # handed vLLM's execute_model back after the first step

@@ -36,6 +36,7 @@ class Runtime:
     provider: Any = None
     processor: Any = None
     deferred: Any = None
+    vllm_spans: Any = None  # vLLM's own request spans as plain records (the vllm-request-span adapter)
     exited: bool = False
     hooks_s: float = 0.0  # CPU of hook bodies (TTFTSCOPE_SELF_TIMING)
     hooks_wall_s: float = 0.0  # their wall time, GIL waits included
@@ -192,15 +193,15 @@ def set_model(name) -> None:
     queued keep the resource they were encoded with."""
     if isinstance(name, (list, tuple)):
         name = name[0] if name else None
-    d = RT.deferred
-    if not name or d is None or d.resource is None:
+    if not name:
         return
     try:
         from opentelemetry.sdk.resources import Resource
 
-        if d.resource.attributes.get(ResourceAttr.MODEL) != name:
-            d.resource = d.resource.merge(Resource({ResourceAttr.MODEL: str(name)}))
-            d._resource_attrs = None
+        for d in (RT.deferred, RT.vllm_spans):
+            if d is not None and d.resource is not None and d.resource.attributes.get(ResourceAttr.MODEL) != name:
+                d.resource = d.resource.merge(Resource({ResourceAttr.MODEL: str(name)}))
+                d._resource_attrs = None
     except Exception:  # noqa: BLE001 - a label is not worth hurting the server
         log.exception("ttftscope: could not name the model on this process's spans")
 
