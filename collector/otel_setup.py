@@ -47,11 +47,11 @@ def name_native_thread(name: str) -> None:
 YIELD_S = 0.0005
 
 #: how long the export thread sleeps when it gives the GIL away (seconds). ``time.sleep(0)``
-#: releases the GIL and takes it straight back unless a waiting thread wins the race to it
-#: (bench/export_stall: the serving thread got it back p50 0.45-0.63 ms late, max ~5 ms, one
-#: switch interval, about once in a thousand waits); a sleep this long lets it in every time
-#: (p50 0.12 ms late, as with no export thread, max 2.3-2.8 ms). Wall time on the export thread
-#: only: ~20 % longer to encode a backed-up queue, no CPU.
+#: releases the GIL and takes it straight back unless a waiting thread wins the race to it;
+#: a sleep this long lets the waiting thread in (bench/export_stall, four interleaved rounds
+#: each: a step-shaped thread got the GIL back p50 0.40-0.41 ms late with ``sleep(0)``,
+#: 0.11-0.16 with this sleep, 0.11 with no export thread; over 2 ms 23 times against 4). It
+#: costs the export thread wall time (0.1 ms per 0.5 ms of encoding), not CPU.
 YIELD_SLEEP_S = 0.0001
 
 

@@ -62,6 +62,8 @@ call(sdk, unsampled); res["sdk_unsampled"] = len(proc._q)
 call(ours, unsampled); res["ours_unsampled"] = (len(proc._q), len(RT.vllm_spans))
 call(ours, None); res["no_context"] = (len(proc._q), len(RT.vllm_spans)); sdk_spans()
 call(ours, kind=SpanKind.INTERNAL); res["internal"] = (len(proc._q), len(RT.vllm_spans))
+sdk_spans()
+call(ours); RT.vllm_spans.materialize(); res["materialized"] = sdk_spans()  # for an exporter of SDK spans
 print(json.dumps(res))
 '''
 
@@ -96,3 +98,9 @@ def test_vllms_request_span_is_the_sdks_span_without_the_sdk():
     # what it does not take goes to vLLM's own backend (the SDK)
     assert res["no_context"] == [1, 0], "no parent: vLLM's smart context"
     assert res["internal"] == [1, 0], "another kind of span"
+    # for an exporter that needs SDK spans the records become the same span when exported
+    (_, m_scope, made) = _span(res["materialized"])
+    assert m_scope["name"] == "vllm.tracing.otel"
+    assert {k: made.get(k) for k in ("traceId", "parentSpanId", "name", "kind")} == \
+        {k: want.get(k) for k in ("traceId", "parentSpanId", "name", "kind")}
+    assert key(made["attributes"]) == key(want["attributes"])

@@ -85,7 +85,9 @@ def _install_request_span() -> None:
         log.info("ttftscope: vLLM's request spans stay on the OpenTelemetry SDK")
         return
     orig = entry[4]
-    src = DeferredSpans(None, mine.resource if mine is not None else None, scope=(otel_module(), ""),
+    # (the tracer: for an exporter that needs SDK spans, the records become them when exported)
+    src = DeferredSpans(provider.get_tracer(otel_module()), mine.resource if mine is not None else None,
+                        scope=(otel_module(), ""),
                         max_queue=proc.max_queue, max_batch=proc.max_batch, kind=SpanKind.SERVER)
     proc.add_source(src)
     RT.vllm_spans = src
