@@ -17,7 +17,7 @@ import random
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -578,6 +578,7 @@ class Sized:
     finding: dict | None
     fault: pl.DataFrame
     base: pl.DataFrame
+    findings: list[dict] = field(default_factory=list)  # the report's, ranked
 
     @property
     def top1(self) -> bool:
@@ -618,7 +619,7 @@ def sized(report: dict, want: str, fault: pl.DataFrame, base: pl.DataFrame, stor
         per = f.pop("per_request")
         fault, base = (d.join(per, on="trace_id", how="left") for d in (fault, base))
     imp = float(impact_ms(fault, REMOVED[want](f))[0]["p50"]) if f is not None and want in REMOVED else None
-    return Sized(want, [x["kind"] for x in report["findings"]], effect, imp, f, fault, base)
+    return Sized(want, [x["kind"] for x in report["findings"]], effect, imp, f, fault, base, report["findings"])
 
 
 def part_report(rows: pl.DataFrame, store: str, run: str) -> dict:

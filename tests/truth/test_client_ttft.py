@@ -169,6 +169,8 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(stalled, sizes):
     request (the clean twins the baseline): deliver grows by what the client lost, vLLM's own
     TTFT cannot see it, the top finding names it, and its impact at p50 on the stalled requests
     is that loss (issue 12: within 15%)."""
+    from ttftscope.analyzer.impact import REMOVED, impact_ms
+
     df, base = _twins(stalled)
     grew = _ms(df, "client_ms") - _ms(base, "client_ms")
     assert grew >= 0.6 * STALL_MS, "the planted stall reached the client"
@@ -179,7 +181,15 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(stalled, sizes):
     assert _ms(df, "tokenize") < 0.2 * _ms(df, "deliver"), "not blamed on tokenization"
     assert (df["ttft"] - df["ttft_vllm"]).median() / 1e6 >= 0.6 * STALL_MS, "vLLM's own TTFT cannot see it"
     s = sizes["stall"]
-    assert "deliver_dominates" in s.kinds and "tokenize_dominates" not in s.kinds, s.kinds
+    assert "deliver_dominates" in s.kinds, s.kinds
+    # nor by the report: a tokenize finding may stand beside it for a p99 tail (one or two of
+    # the part's 96 requests) slow in its own tokenizer — chat requests here take 5-7.7 ms now
+    # and then, stalled or not, at either export interval (8 runs of this part measured, 2026-12-02)
+    # — but what it says removing that would save on the stalled requests is not the stall's time
+    tok = next((f for f in s.findings if f["kind"] == "tokenize_dominates"), None)
+    if tok is not None:
+        claimed = impact_ms(df, REMOVED["tokenize_dominates"](tok))[0]["p50"]
+        assert claimed < 0.1 * grew, (claimed, grew, tok["title"])
     # the top finding names the planted cause, and what it says removing it would save at p50 on
     # the stalled requests is what the fault cost them at p50. Issue 12 asks 15%: on a faster VM
     # 24.7 vs 24.7 and 25.0 vs 25.0 ms; on a slow phase of this one (2026-12-02) 24.1 vs 28.0 (a
