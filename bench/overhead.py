@@ -119,8 +119,11 @@ def _self_cost(before: dict, after: dict, requests: int) -> dict[str, dict]:
                               "process_cpu_s": b["process_cpu_s"]})
         r = out.setdefault(b["role"], {"hooks_s": 0.0, "hooks_wall_s": 0.0, "hook_calls": 0, "export_cpu_s": 0.0,
                                        "process_cpu_s": 0.0})
-        for k in ("hooks_s", "hooks_wall_s", "hook_calls", "export_cpu_s", "process_cpu_s"):
-            r[k] += b.get(k, 0.0) - a.get(k, 0.0)
+        for k in ("hooks_s", "hooks_wall_s", "hook_calls", "export_cpu_s", "process_cpu_s", "export_posts"):
+            r[k] = r.get(k, 0.0) + b.get(k, 0.0) - a.get(k, 0.0)
+        parts = r.setdefault("export_parts_s", {})
+        for k, v in b.get("export_parts_s", {}).items():
+            parts[k] = parts.get(k, 0.0) + v - a.get("export_parts_s", {}).get(k, 0.0)
         hooks = r.setdefault("per_hook", {})
         for h, (calls, cpu) in b.get("per_hook", {}).items():
             c0, s0 = a.get("per_hook", {}).get(h, (0, 0.0))
@@ -254,6 +257,11 @@ def _accounted(results: dict, med: dict) -> None:
         print(f"  {role:<12} hooks {net:7.1f} us/request CPU net (timing itself {floor:4.1f} us a call; wall "
               f"{hw:7.1f}, GIL waits and timing included)   export thread {ex:7.1f} us/request   "
               f"{sh:6.2%} of the process's CPU")
+        if any(v.get("export_posts") for v in vals):  # where the export thread's CPU goes
+            posts = statistics.median(v.get("export_posts", 0) for v in vals)
+            split = ", ".join(f"{k} {statistics.median(v['export_parts_s'].get(k, 0.0) / x['completed'] * 1e6 for v, x in zip(vals, runs, strict=True)):.1f}"
+                              for k in ("sdk", "encode", "post"))
+            print(f"      export thread: {split} us/request (the rest: queues, waits), {posts:.0f} posts")
         for h in sorted({h for v in vals for h, (c, _) in v.get("per_hook", {}).items() if c and h != "timing_floor"}):
             per = [(v["per_hook"].get(h, (0, 0.0)), x["completed"]) for v, x in zip(vals, runs, strict=True)]
             calls = statistics.median(c / n for (c, _), n in per)

@@ -364,3 +364,49 @@ def test_spans_the_collector_refuses_are_sent_again_once_it_accepts(collector_fa
     rows = ttftscope_sql(col.store, "SELECT SpanName AS name, SpanAttributes['i'] AS i, count() AS n FROM otel_traces "
                                     "WHERE ServiceName = 'refused' GROUP BY name, i ORDER BY name, i")
     assert [(r["name"], r["i"], int(r["n"])) for r in rows] == [("ours", str(i), 1) for i in range(6)] + [("sdk", "0", 1)]
+
+
+def test_a_wake_up_posts_what_was_queued_not_what_arrives_while_it_posts(collector_factory):
+    """A serving process adds spans all the time: the export thread, woken by its interval,
+    posts what was queued then, every source's spans in one request, and leaves what arrives
+    meanwhile for the next wake-up. (A drain that chased the arrivals, a request per source,
+    posted about once per served request: 69 posts for 60 requests in 5.7 s in vLLM's API server
+    at a 2-s interval.) A flush still sends everything, each span once."""
+    import threading
+    import time
+
+    col = collector_factory().start()
+    resource = Resource.create({"service.name": "one-wake"})
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=5), interval_s=60,
+                                     poster=OtlpHttpPoster(col.url + "/v1/traces", timeout=5))
+    deferred = DeferredSpans(None, resource)
+    proc.add_source(deferred)
+    vllms = DeferredSpans(None, resource, scope=("vllm.tracing.otel", ""))  # a second source (vLLM's spans)
+    proc.add_source(vllms)
+    for i in range(20):
+        deferred.add("queued", 1_700_000_000.0 + i, 1_700_000_000.5 + i, {"i": i})
+    for i in range(5):
+        vllms.add("llm_request", 1_700_000_000.0 + i, 1_700_000_000.5 + i, {"i": i})
+    arriving = threading.Event()
+
+    def arrivals() -> None:  # a span a millisecond for 0.4 s (fewer than a batch: no wake-up of their own)
+        arriving.set()
+        for i in range(400):
+            deferred.add("arrived", 1_700_000_100.0 + i, 1_700_000_100.5 + i, {"i": i})
+            time.sleep(0.001)
+
+    t = threading.Thread(target=arrivals)
+    t.start()
+    arriving.wait()
+    proc._drain()  # what the export thread does when its interval is up
+    posted_while_arriving, exported = proc.posts, proc.exported
+    t.join()
+    # one post: the 25 queued (and the odd span that arrived before it began), not the 400 arriving
+    assert posted_while_arriving == 1 and 25 <= exported < 45, (posted_while_arriving, exported)
+    assert proc.force_flush() and proc.exported == 425 and proc.failed == 0
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    rows = ttftscope_sql(col.store, "SELECT SpanName AS name, count() AS n, uniqExact(SpanAttributes['i']) AS u "
+                                    "FROM otel_traces WHERE ServiceName = 'one-wake' GROUP BY name")
+    assert {r["name"]: (int(r["n"]), int(r["u"])) for r in rows} == {"queued": (20, 20), "arrived": (400, 400),
+                                                                      "llm_request": (5, 5)}

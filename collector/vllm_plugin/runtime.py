@@ -239,6 +239,7 @@ def self_timing_writer(role: str) -> None:
         doc = {"role": role, "pid": os.getpid(), "wall": time.time(), "process_cpu_s": time.process_time(),
                "hooks_s": RT.hooks_s, "hooks_wall_s": RT.hooks_wall_s, "hook_calls": RT.hook_calls,
                "export_cpu_s": getattr(proc, "cpu_s", 0.0), "exported": getattr(proc, "exported", 0),
+               "export_parts_s": dict(getattr(proc, "cpu_parts", {})), "export_posts": getattr(proc, "posts", 0),
                "per_hook": {k: list(v) for k, v in RT.per_hook.items()}}
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
