@@ -75,7 +75,7 @@ class PluginConfig:
     #: within about this plus the collector's own 2-s flush. The OpenTelemetry SDK's default is 5 s.
     #: The API server's too (its event loop reads the clients' requests): the export thread gives
     #: the GIL away every ``otel_setup.YIELD_S`` of encoding, so a bigger batch does not hold it
-    #: longer (README: "The export threads")
+    #: longer (README, "The vLLM plugin")
     interval_s: float = DEFAULT_INTERVAL_MS / 1000
     #: a loaded collector may take seconds to answer (it fsyncs before it acknowledges): only the
     #: export thread waits, and a batch that times out is counted failed, never sent twice

@@ -75,24 +75,27 @@ def _install_request_span() -> None:
     from opentelemetry import trace
     from opentelemetry.sdk.trace.sampling import ParentBased
     from opentelemetry.trace import SpanKind
+    from vllm.tracing import otel
 
     from ..otel_setup import DeferredSpans
 
     backends = vt._REGISTERED_TRACING_BACKENDS
     entry = backends.get("otel")
     proc, provider, mine = RT.processor, RT.provider, RT.deferred
-    if entry is None or len(entry) < 5 or proc is None or not isinstance(getattr(provider, "sampler", None), ParentBased):
+    # vLLM's call reads the global provider, which is set once: the plugin's (setup_otel) or never
+    if (entry is None or len(entry) < 5 or proc is None or trace.get_tracer_provider() is not provider
+            or not isinstance(getattr(provider, "sampler", None), ParentBased)):
         log.info("ttftscope: vLLM's request spans stay on the OpenTelemetry SDK")
         return
     orig = entry[4]
     # (the tracer: for an exporter that needs SDK spans, the records become them when exported)
-    src = DeferredSpans(provider.get_tracer(otel_module()), mine.resource if mine is not None else None,
-                        scope=(otel_module(), ""),
-                        max_queue=proc.max_queue, max_batch=proc.max_batch, kind=SpanKind.SERVER)
+    src = DeferredSpans(provider.get_tracer(otel.__name__), mine.resource if mine is not None else None,
+                        scope=(otel.__name__, ""), max_queue=proc.max_queue, max_batch=proc.max_batch,
+                        kind=SpanKind.SERVER)
     proc.add_source(src)
     RT.vllm_spans = src
     scalars = (str, int, float, bool)
-    get_provider, current_span = trace.get_tracer_provider, trace.get_current_span
+    current_span = trace.get_current_span
 
     @guard("llm_request")
     def record(span_name, start_time, end_time, attributes, context) -> bool:
@@ -104,16 +107,9 @@ def _install_request_span() -> None:
         return True
 
     def manual_instrument(span_name, start_time, end_time=None, attributes=None, context=None, kind=None):
-        if (context is not None and kind is SpanKind.SERVER and get_provider() is provider
-                and record(span_name, start_time, end_time, attributes, context)):
+        if context is not None and kind is SpanKind.SERVER and record(span_name, start_time, end_time, attributes,
+                                                                      context):
             return None
         return orig(span_name, start_time, end_time, attributes, context, kind)
 
     backends["otel"] = (*entry[:4], manual_instrument, *entry[5:])
-
-
-def otel_module() -> str:
-    """The scope vLLM's ``manual_instrument_otel`` names its spans with (its module)."""
-    from vllm.tracing import otel
-
-    return otel.__name__
