@@ -10,8 +10,9 @@ Measured in one run, on the same requests:
              collector's CPU from /proc (all threads) per stored span, read once it has
              written everything (not its exit), split by thread; its RSS sampled
   http fleet the same collector fed like a fleet of vLLM processes: many senders, each
-             posting 20-50 spans every 0.5 s (target: <= 2x the bulk CPU per span); then the
-             same span rate as the plugin sends it by default (80-200 spans every 2 s)
+             posting 20-50 spans every 0.5 s (target: <= 2x the bulk CPU per span), next to the
+             floor of that load (bench/http_floor.py: a server that only reads and answers); then
+             the same span rate as the plugin sends it by default (80-200 spans every 2 s)
 
 Usage: python bench/ingest.py [--requests 100] [--spans-per-request 500] [--http-seconds 20]
        [--fleet-senders 40]. A 10-minute memory run: --http-seconds 600.
@@ -128,6 +129,29 @@ class Collector:
         return cpu, open_store(self.store).query("SELECT count() FROM otel_traces").item()
 
 
+class FloorServer:
+    """bench/http_floor.py in a process of its own, started and read like :class:`Collector`."""
+
+    def __init__(self, tmp: Path, name: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("http_floor.py")), str(self.port)])
+        self.url = f"http://127.0.0.1:{self.port}"
+        for _ in range(300):
+            try:
+                requests.get(self.url + "/healthz", timeout=1)
+                break
+            except requests.RequestException:
+                time.sleep(0.1)
+        time.sleep(0.5)
+        self.cpu0 = cpu_s(self.proc.pid)
+
+    def stop(self) -> tuple[float, None]:
+        cpu = cpu_s(self.proc.pid) - self.cpu0
+        self.proc.kill()
+        self.proc.wait(30)
+        return cpu, None
+
+
 def where(col: Collector, spans: int, requests_n: int | None = None) -> str:
     """The collector's CPU by thread: the receiver's event loop and the flusher, per span (and
     per request), the rest together."""
@@ -172,9 +196,11 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
 
 
 def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
-               sizes: tuple[int, int] = (20, 50), name: str = "fleet") -> tuple[float, float, float, str]:
-    """(spans per collector CPU-second, spans/s offered, requests/s) with many small senders,
-    each posting ``sizes`` spans every ``every_s``."""
+               sizes: tuple[int, int] = (20, 50), name: str = "fleet",
+               floor: bool = False) -> tuple[float, float, float, str]:
+    """(spans per collector CPU-second, spans/s offered, requests/s, CPU by thread) with many
+    small senders, each posting ``sizes`` spans every ``every_s``. ``floor``: the same senders
+    against bench/http_floor.py instead (its CPU per request in the last place)."""
     # each sender's requests built before the clock starts, as the bulk case's are, so that the
     # senders spend their time on the two shared cores posting, not building protobuf (within this
     # bench, interleaved: 24.6 / 24.6k spans per CPU-second built during the run against 24.6 /
@@ -186,7 +212,7 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
         counts = [rng.randint(*sizes) for _ in range(int(seconds / every_s) + 4)]
         plans.append([(n, otlp_request(n, seed=k * 1_000_000 + i)) for i, n in enumerate(counts)])
 
-    col = Collector(tmp, name)
+    col = FloorServer(tmp, name) if floor else Collector(tmp, name)
     sent = [0] * senders
     reqs = [0] * senders
     stop = threading.Event()
@@ -215,6 +241,9 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
         t.join()
     dt = time.perf_counter() - t0
     cpu, n = col.stop()
+    if floor:
+        n = sum(sent)
+        return n / cpu, n / dt, sum(reqs) / dt, f"{cpu / sum(reqs) * 1e6:.0f} us/request"
     assert n == sum(sent), (n, sum(sent))
     return n / cpu, n / dt, sum(reqs) / dt, where(col, n, sum(reqs))
 
@@ -251,6 +280,9 @@ def main() -> None:
         print(f"http fleet {a.fleet_senders} senders x 20-50 spans every 0.5 s      {fl:>10,.0f}   "
               f"= {h / fl:.2f} x the bulk CPU per span   ({offered:,.0f} spans/s, {rps:.0f} requests/s)")
         print(f"           CPU by thread: {fsplit}")
+        ff, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="floor", floor=True)
+        print(f"           floor: a server that only reads each request and answers 200 (bench/http_floor.py), "
+              f"same senders: {ff:,.0f} spans per CPU-second = {h / ff:.2f} x the bulk CPU per span ({per_req})")
         # the same span rate shaped as the plugin now sends it (OTEL_BSP_SCHEDULE_DELAY's default, 2 s): not the target's shape
         f2, offered2, rps2, fsplit2 = http_fleet(tmp, a.http_seconds, a.fleet_senders, every_s=2.0, sizes=(80, 200),
                                                  name="fleet-2s")
