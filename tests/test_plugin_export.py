@@ -207,6 +207,37 @@ def test_wire_varints_at_every_length_boundary():
     assert (got.span_id, got.parent_span_id, got.end_time_unix_nano) == (bytes(range(1, 9)), bytes(range(9, 17)), 2**40)
 
 
+def test_remembered_attribute_pairs_encode_as_the_first_time():
+    """Small ints and short strings are written once per (key, value) and then reused: the
+    same attributes encoded again (from what was remembered) and in any mix of types that
+    compare equal in Python (1, True, 1.0, "1") parse into the official message every time,
+    under both the span's and the resource's field tags."""
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.resource.v1.resource_pb2 import Resource as PbResource
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+    def official(attrs: dict) -> list:
+        def value(v):
+            if isinstance(v, bool):
+                return AnyValue(bool_value=v)
+            if isinstance(v, int):
+                return AnyValue(int_value=v)
+            if isinstance(v, float):
+                return AnyValue(double_value=v)
+            return AnyValue(string_value=v)
+        return [KeyValue(key=k, value=value(v)) for k, v in attrs.items()]
+
+    mixes = [{"k": 1, "phase": "queue", "e": "", "u": "é" * 8, "n": 1023, "m": 1024},
+             {"k": True, "phase": "prefill", "e": "", "u": "é" * 9, "n": 1023, "m": 1024},
+             {"k": 1.0, "phase": "queue", "e": "x" * 17, "u": "é" * 8, "n": 0, "m": 1024},
+             {"k": "1", "phase": "q" * 16, "e": "", "u": "é" * 8, "n": 1023, "m": 2**40}]
+    for _ in range(2):  # the second round reads back what the first remembered
+        for attrs in mixes:
+            raw = W.span(bytes(16), bytes(range(1, 9)), b"", "", "n", 5, 6, attrs)
+            assert list(Span.FromString(raw).attributes) == official(attrs)
+            assert list(PbResource.FromString(W.key_values(b"\x0a", attrs)).attributes) == official(attrs)
+
+
 def test_spans_of_one_batch_keep_each_requests_trace_headers():
     """A batch where requests' spans share their trace headers (one dict per request), one
     request's header is malformed and one span has none: each span continues its own request's
