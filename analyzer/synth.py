@@ -140,8 +140,9 @@ def _map(keys: list[str], cols: list[np.ndarray]) -> pa.Array:
     )
 
 
-def _table(n: int, ts, trace, span, parent, name, kind, service: str, resource: dict, attrs: dict, dur) -> pa.Table:
-    """An otel_traces batch of ``n`` spans sharing one resource."""
+def spans_table(n: int, ts, trace, span, parent, name, kind, service: str, resource: dict, attrs: dict, dur) -> pa.Table:
+    """An otel_traces batch of ``n`` spans sharing one resource (columns as arrays or one value
+    for all; tests build planted traces with it too)."""
     s = pa.string()
     empty_list = pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), pa.array([], s))
 
@@ -320,21 +321,21 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
         api = _resource(ProcessRole.API_SERVER.value, "api-0", ver, p.model, run)
         eng = _resource(ProcessRole.ENGINE_CORE.value, engine, ver, p.model, run)
         nm = int(m.sum())
-        tables.append(_table(nm, arrival[m], trace[m], root[m], "", SpanName.REQUEST, "Server", "vllm", api, {
+        tables.append(spans_table(nm, arrival[m], trace[m], root[m], "", SpanName.REQUEST, "Server", "vllm", api, {
             Attr.REQUEST_ID: req_id[m], Attr.VLLM_TTFT: ttft[m] / 1e9, Attr.VLLM_E2E: e2e[m] / 1e9,
             Attr.VLLM_QUEUE: queue[m] / 1e9, Attr.VLLM_PREFILL: (prefill_end - start)[m] / 1e9,
             Attr.PROMPT_TOKENS: L[m], Attr.COMPLETION_TOKENS: comp[m], Attr.MODEL: np.full(nm, p.model),
             Attr.PRIORITY: prio[m]}, e2e[m]))
         # the client's window, as the plugin's HTTP middleware records it (here: the same bounds)
-        tables.append(_table(nm, arrival[m], trace[m], sids(n, 12)[m], root[m], SpanName.HTTP, "Server", "vllm", api, {
+        tables.append(spans_table(nm, arrival[m], trace[m], sids(n, 12)[m], root[m], SpanName.HTTP, "Server", "vllm", api, {
             Attr.REQUEST_ID: req_id[m], Attr.HTTP_STREAMING: np.full(nm, "true"), Attr.HTTP_STATUS: np.full(nm, "200"),
             Attr.PRIORITY: prio[m]}, ttft[m]))
-        tables.append(_table(nm, arrival[m], trace[m], sids(n, 2)[m], root[m], SpanName.TOKENIZE, "Internal", "vllm", api,
+        tables.append(spans_table(nm, arrival[m], trace[m], sids(n, 2)[m], root[m], SpanName.TOKENIZE, "Internal", "vllm", api,
                              {Attr.REQUEST_ID: req_id[m], Attr.PROMPT_TOKENS: L[m]}, tok[m]))
-        tables.append(_table(nm, ready[m], trace[m], sids(n, 3)[m], root[m], SpanName.QUEUE, "Internal", "vllm", eng,
+        tables.append(spans_table(nm, ready[m], trace[m], sids(n, 3)[m], root[m], SpanName.QUEUE, "Internal", "vllm", eng,
                              {Attr.REQUEST_ID: req_id[m], Attr.PRIORITY: prio[m]}, queue[m]))
         nc = int(mc.sum())
-        tables.append(_table(nc, cstart[mc], trace[cid][mc], sids(cid.size, 4)[mc], root[cid][mc], SpanName.PREFILL,
+        tables.append(spans_table(nc, cstart[mc], trace[cid][mc], sids(cid.size, 4)[mc], root[cid][mc], SpanName.PREFILL,
                              "Internal", "vllm", eng, {
                                  Attr.REQUEST_ID: req_id[cid][mc], Attr.STEP: steps[mc], Attr.CHUNK: k[mc],
                                  Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: chunk_cached[mc],
@@ -342,11 +343,11 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  Attr.KV_BLOCK_SIZE: np.where(k == 0, p.kv_block, 0)[mc],
                                  Attr.BATCH_SIZE: running[mc] + 1, Attr.ENGINE: np.full(nc, engine)},
                              chunk_dur[mc]))
-        tables.append(_table(nm, prefill_end[m], trace[m], sids(n, 5)[m], root[m], SpanName.OUTPUT, "Internal", "vllm", api,
+        tables.append(spans_table(nm, prefill_end[m], trace[m], sids(n, 5)[m], root[m], SpanName.OUTPUT, "Internal", "vllm", api,
                              {Attr.REQUEST_ID: req_id[m]}, out[m]))
         # engine timeline: one step per chunk (own trace per step, like the plugin)
         step_trace = np.char.add(_hex(np.full(nc, 0xE, dtype=np.uint64), 16), _hex(steps[mc].astype(np.uint64), 16))
-        tables.append(_table(nc, cstart[mc], step_trace, sids(cid.size, 6)[mc], "", SpanName.STEP, "Internal", "vllm", eng, {
+        tables.append(spans_table(nc, cstart[mc], step_trace, sids(cid.size, 6)[mc], "", SpanName.STEP, "Internal", "vllm", eng, {
             Attr.STEP: steps[mc], Attr.STEP_PREFILL_TOKENS: ctoks[mc], Attr.STEP_DECODE_TOKENS: running[mc],
             Attr.RUNNING: running[mc] + 1, Attr.WAITING: np.maximum(waiting_at[mc], 0), Attr.ENGINE: np.full(nc, engine)},
             chunk_dur[mc]))
@@ -356,7 +357,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
         nd = int(dm.sum())
         if nd:
             dtrace = np.char.add(_hex(np.full(nd, 0xD, dtype=np.uint64), 16), _hex(steps[dm].astype(np.uint64), 16))
-            tables.append(_table(nd, cstart[dm] - wait[dm], dtrace, sids(cid.size, 11)[dm], "", SpanName.STEP, "Internal",
+            tables.append(spans_table(nd, cstart[dm] - wait[dm], dtrace, sids(cid.size, 11)[dm], "", SpanName.STEP, "Internal",
                                  "vllm", eng, {
                                      Attr.STEP: steps[dm] + 1_000_000_000, Attr.STEP_PREFILL_TOKENS: np.zeros(nd, dtype=np.int64),
                                      Attr.STEP_DECODE_TOKENS: running[dm], Attr.RUNNING: running[dm] + 1,
@@ -365,7 +366,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
         for r in range(p.tp):
             wk = _resource(ProcessRole.WORKER.value, f"worker-{r}", ver, p.model, run, rank=r)
             ar_start = cstart[mc] + compute[mc] // 2
-            tables.append(_table(nc, ar_start, step_trace, sids(cid.size, 7 + r)[mc], sids(cid.size, 6)[mc],
+            tables.append(spans_table(nc, ar_start, step_trace, sids(cid.size, 7 + r)[mc], sids(cid.size, 6)[mc],
                                  SpanName.ALLREDUCE, "Internal", "vllm", wk, {
                                      Attr.STEP: steps[mc], Attr.RANK: np.full(nc, r), Attr.TP_SIZE: np.full(nc, p.tp),
                                      Attr.ALLREDUCE_COUNT: np.full(nc, 4), Attr.ALLREDUCE_BYTES: ctoks[mc] * 2 * 256 * 4,
@@ -395,7 +396,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
             durs.append(d)
             t += d
         m_ = len(names)
-        tables.append(_table(m_, np.array(starts), np.full(m_, ptrace[0]), sids(m_, 14 + r),
+        tables.append(spans_table(m_, np.array(starts), np.full(m_, ptrace[0]), sids(m_, 14 + r),
                              np.array([""] + [proc_span[0]] * (m_ - 1), dtype=object), np.array(names, dtype=object),
                              "Internal", "vllm", wk, {Attr.RANK: np.full(m_, r)}, np.array(durs)))
         cold_truth[f"worker-{r}"] = {"cold_start_s": cold / 1e9, "gap_s": gap / 1e9}

@@ -482,7 +482,7 @@ def test_a_steps_collectives_take_its_running_count_from_the_engines_step_span(t
     def spans(name, rows):
         n = len(rows)
         attrs = {k: [r[1].get(k, "") for r in rows] for k in {k for r in rows for k in r[1]}}
-        return synth._table(n, [now + r[0] * ms for r in rows], [f"{i:032x}" for i in range(n)],
+        return synth.spans_table(n, [now + r[0] * ms for r in rows], [f"{i:032x}" for i in range(n)],
                             [f"{i + 1:016x}" for i in range(n)], "", name, "Internal", "vllm", eng, attrs,
                             [r[2] for r in rows])
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 from ttftscope.analyzer.gaps import bubble_delays
-from ttftscope.analyzer.synth import _table
+from ttftscope.analyzer.synth import spans_table
 from ttftscope.analyzer.window import Window
 from ttftscope.schemas.store import open_store
 from ttftscope.schemas.vocabulary import Attr, SpanName
@@ -21,11 +21,11 @@ def _spans(rows: list[tuple[str, str, int, int]], ipc_ns=None, engine: str = "en
     n = len(rows)
     name, trace, start, dur = (np.array(c, dtype=object) for c in zip(*rows, strict=True))
     attrs = {Attr.ENGINE: np.full(n, engine, dtype=object)}
-    t = _table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
+    t = spans_table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
                "Internal", "vllm", {"service.name": "vllm"}, attrs, dur.astype(np.int64) * MS)
     if ipc_ns is None:
         return t
-    with_ipc = _table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
+    with_ipc = spans_table(n, T0 + start.astype(np.int64) * MS, trace, np.array([f"{i:016x}" for i in range(n)]), "", name,
                       "Internal", "vllm", {"service.name": "vllm"}, {**attrs, Attr.INTAKE_IPC_NS: ipc_ns},
                       dur.astype(np.int64) * MS)
     return pa.concat_tables([t.filter(pa.array(name != SpanName.INTAKE)), with_ipc.filter(pa.array(name == SpanName.INTAKE))])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from ttftscope.analyzer.coldstart import cold_start
-from ttftscope.analyzer.synth import _table
+from ttftscope.analyzer.synth import spans_table
 from ttftscope.analyzer.window import Window
 from ttftscope.schemas.store import open_store
 from ttftscope.schemas.vocabulary import ResourceAttr, SpanName
@@ -28,7 +28,7 @@ def test_the_largest_gap_is_named_after_the_span_that_ended_last_before_it(tmp_p
     ]
     n = len(rows)
     name, start, dur = zip(*rows, strict=True)
-    t = _table(n, T0 + (np.array(start) * S).astype(np.int64), np.array(["t"] * n, dtype=object),
+    t = spans_table(n, T0 + (np.array(start) * S).astype(np.int64), np.array(["t"] * n, dtype=object),
                np.array([f"{i:016x}" for i in range(n)]), "", np.array(name, dtype=object), "Internal", "vllm",
                {"service.name": "vllm", ResourceAttr.PROCESS_PID: "42", ResourceAttr.SERVICE_INSTANCE: "worker-42",
                 ResourceAttr.ROLE: "worker"}, {"code.function": np.full(n, "f")}, (np.array(dur) * S).astype(np.int64))
