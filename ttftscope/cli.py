@@ -221,13 +221,12 @@ def _collector_allocator() -> None:
     ``ARROW_DEFAULT_MEMORY_POOL`` names a pool. Arrow picks its C++ default pool once, when
     pyarrow is imported (``pyarrow.set_memory_pool`` does not reach the Parquet writer or the
     compute kernels), so ``main`` calls this before it builds its parser (which imports the
-    analyzer, and pyarrow with it). pyarrow's default,
+    analyzer, and pyarrow with it); once pyarrow is in, it does nothing. pyarrow's default,
     mimalloc, handed a flush's memory back to the kernel before the next flush, which faulted it
     in again as fresh 2 MiB pages, each zeroed by the kernel: 14-16 % of a fleet-fed collector's
     CPU in ``clear_page_erms`` (perf). bench/ingest's fleet case shows the difference."""
-    if "pyarrow" in sys.modules:
-        logging.getLogger("ttftscope.collector").debug("pyarrow already imported: its memory pool stays")
-    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    if "pyarrow" not in sys.modules:
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 
 def cmd_collect(a) -> int:
