@@ -42,7 +42,7 @@ from ttftscope.collector.spool import Spool  # noqa: E402
 from ttftscope.schemas.store import open_store  # noqa: E402
 
 from support.otlp import plugin_like_request as otlp_request  # noqa: E402
-from support.procs import cpu_s, free_port, rss_mb, threads_cpu_s  # noqa: E402
+from support.procs import cpu_s, free_port, rss_mb, threads_cpu_s, wait_http  # noqa: E402
 
 PB = {"Content-Type": "application/x-protobuf"}
 TARGET = 150_000
@@ -100,12 +100,7 @@ class Collector:
                                       str(tmp / f"spool-{name}"), "--listen", f"127.0.0.1:{self.port}"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
-        for _ in range(300):
-            try:
-                requests.get(self.url + "/healthz", timeout=1)
-                break
-            except requests.RequestException:
-                time.sleep(0.1)
+        wait_http(self.url + "/healthz", self.proc)
         time.sleep(2.0)  # let start-up (the chDB engine) finish before counting CPU
         self.cpu0 = cpu_s(self.proc.pid)
         self.threads0 = threads_cpu_s(self.proc.pid)
@@ -136,12 +131,7 @@ class FloorServer:
         self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("http_floor.py")), str(self.port)])
         self.url = f"http://127.0.0.1:{self.port}"
-        for _ in range(300):
-            try:
-                requests.get(self.url + "/healthz", timeout=1)
-                break
-            except requests.RequestException:
-                time.sleep(0.1)
+        wait_http(self.url + "/healthz", self.proc)
         time.sleep(0.5)
         self.cpu0 = cpu_s(self.proc.pid)
 
