@@ -63,19 +63,45 @@ def record_loadtest(store, res: dict, labels: dict) -> None:
         f"loadtest-{tid}")
 
 
-def _wait_for_spans(store, window, expect: int, timeout: float = 20.0) -> int:
+def run_quiet_s() -> float:
+    """How long the stored count of requests may stand still before `ttftscope run` stops waiting
+    for the rest: the plugin's export interval and 1.5 s to spare (:func:`settle_quiet_s`) plus the
+    collector's default flush interval (2 s), when a batch it received reaches the store."""
+    from ttftscope.servers import settle_quiet_s
+
+    return settle_quiet_s() + 2.0
+
+
+def wait_for_request_spans(store, window: tuple[int, int], expect: int, quiet_s: float | None = None,
+                           timeout: float = 60.0) -> int:
+    """The number of request spans (``llm_request``) stored with a start in ``window`` (ns), once
+    it reaches ``expect`` or has not moved for ``quiet_s`` (default :func:`run_quiet_s`), or at
+    ``timeout``. Says on stderr how many of ``expect`` there are when some are missing."""
     from ttftscope.schemas.vocabulary import SpanName
 
-    deadline, last = time.time() + timeout, -1
-    while time.time() < deadline:
-        n = store.query(f"SELECT count() FROM otel_traces WHERE SpanName = '{SpanName.REQUEST}' AND "
-                        "Timestamp >= fromUnixTimestamp64Nano({lo:Int64}) AND Timestamp < fromUnixTimestamp64Nano({hi:Int64})",
-                        {"lo": window[0], "hi": window[1]}).item()
-        if n >= expect or (n == last and n > 0):
+    quiet_s = run_quiet_s() if quiet_s is None else quiet_s
+    sql = (f"SELECT count() FROM otel_traces WHERE SpanName = '{SpanName.REQUEST}' AND "
+           "Timestamp >= fromUnixTimestamp64Nano({lo:Int64}) AND Timestamp < fromUnixTimestamp64Nano({hi:Int64})")
+    start = time.monotonic()
+    deadline, last, since, told = start + timeout, -1, start, False
+    while True:
+        n = int(store.query(sql, {"lo": window[0], "hi": window[1]}).item())
+        now = time.monotonic()
+        if n >= expect:
             return n
-        last = n
-        time.sleep(1.0)
-    return last
+        if n != last:
+            last, since = n, now
+        if (n > 0 and now - since >= quiet_s) or now >= deadline:
+            hint = ("" if n else " (none at all: is the vLLM server started with the ttftscope plugin, exporting "
+                               "to a collector that writes this store?)")
+            print(f"ttftscope run: the store holds {n} of {expect} requests' spans; reporting on those{hint}",
+                  file=sys.stderr, flush=True)
+            return n
+        if not told and now - start >= 2.0:
+            print(f"waiting for the collector to store the requests' spans ({n} of {expect} so far)",
+                  file=sys.stderr, flush=True)
+            told = True
+        time.sleep(0.5)
 
 
 def run_command(a) -> int:
@@ -119,7 +145,7 @@ def run_command(a) -> int:
         res, rc = {"window_ns": (t0, time.time_ns()), "error": str(e)}, 3
     try:
         store = open_store(url)
-        _wait_for_spans(store, (res["window_ns"][0], res["window_ns"][1] + 10**9), res.get("completed", 0) or 1)
+        wait_for_request_spans(store, (res["window_ns"][0], res["window_ns"][1] + 10**9), res.get("completed", 0) or 1)
         record_loadtest(store, res, {"profile": profile.name, "server": server})
         report = Analyzer(store).analyze(Window(res["window_ns"][0], res["window_ns"][1] + 2 * 10**9), slo)
     except StoreError as e:
