@@ -498,3 +498,67 @@ def test_a_steps_collectives_take_its_running_count_from_the_engines_step_span(t
     got = {r["step"]: (r["running"], r["ar_ns"] // ms)
            for r in st.query(step_collectives_sql(Window.time_filter(), running=True), w.params()).to_dicts()}
     assert got == {"5": (3, 2), "12": (7, 4), "20": (0, 1)}
+
+
+def _collective_steps(tmp_path, slope_ms: float, noise_ms: float, seed: int):
+    """An engine whose 240 steps ran 1-24 requests, each step's collectives (two ranks)
+    ``0.3 + slope_ms * running`` ms plus skewed noise (exponential, ``noise_ms`` scale: on shared
+    cores a collective now and then waits long). The store and (running, collective ms)."""
+    import time
+
+    import numpy as np
+    import pyarrow as pa
+    from ttftscope.schemas.vocabulary import Attr, SpanName
+
+    rng = np.random.default_rng(seed)
+    now, ms, n = time.time_ns() - 600 * 10**9, 10**6, 240
+    running = rng.integers(1, 25, n)
+    ar_ms = 0.3 + slope_ms * running + rng.exponential(noise_ms, n)
+
+    def spans(name, rows):
+        attrs = {k: [r[1].get(k, "") for r in rows] for k in {k for r in rows for k in r[1]}}
+        return synth.spans_table(len(rows), [now + r[0] for r in rows], [f"{i:032x}" for i in range(len(rows))],
+                                 [f"{i + 1:016x}" for i in range(len(rows))], "", name, "Internal", "vllm",
+                                 {"service.name": "vllm"}, attrs, [r[2] for r in rows])
+
+    steps = spans(SpanName.STEP, [(i * 100 * ms, {Attr.ENGINE: "engine-1", Attr.STEP: i + 1,
+                                                  Attr.RUNNING: int(running[i])}, 50 * ms) for i in range(n)])
+    ar = spans(SpanName.ALLREDUCE, [(i * 100 * ms + ms, {Attr.ENGINE: "engine-1", Attr.STEP: i + 1, Attr.RANK: r},
+                                     int(ar_ms[i] * ms) + r * ms) for i in range(n) for r in (0, 1)])
+    st = open_store(str(tmp_path / f"s{seed}"))
+    st.insert_spans(pa.concat_tables([steps, ar]), "t")
+    return st, running, ar_ms
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_collectives_that_grow_a_little_amid_their_noise_are_not_a_finding(tmp_path, seed):
+    """The clean TP=2 bursts of the truth suite (tests/truth/test_slow_collectives.py) on two
+    shared cores: collectives 0.33 ms at one request to 0.99 ms at 24, r = 0.30 (a CI run,
+    2026-12-03) — they do grow with the rows they carry, a little, under noise that explains most
+    of their time. That is not "collectives grow with concurrency" (it was, at medium: the
+    detector asked r >= 0.3)."""
+    import numpy as np
+    from ttftscope.analyzer.bottlenecks import allreduce_concurrency
+    from ttftscope.analyzer.findings import Context
+
+    st, x, y = _collective_steps(tmp_path, slope_ms=0.029, noise_ms=0.6, seed=seed)
+    r = float(np.corrcoef(x, y)[0, 1])
+    assert 0.15 <= r <= 0.45, r  # the shape observed
+    w = Window.last(3600)
+    assert allreduce_concurrency(Context(st, w, SLO(), pl.DataFrame())) == []
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_collectives_that_grow_with_concurrency_are_found_with_their_slope(tmp_path, seed):
+    """The planted shape of the same truth test (1 ms a step more per request running, r ~ 0.75
+    on real vLLM): found, at high, with the slope planted."""
+    import numpy as np
+    from ttftscope.analyzer.bottlenecks import allreduce_concurrency
+    from ttftscope.analyzer.findings import Context
+
+    st, x, y = _collective_steps(tmp_path, slope_ms=1.0, noise_ms=6.0, seed=seed)
+    r = float(np.corrcoef(x, y)[0, 1])
+    assert 0.6 <= r <= 0.85, r
+    (f,) = allreduce_concurrency(Context(st, Window.last(3600), SLO(), pl.DataFrame()))
+    assert f["severity"] == "high", f
+    assert f["evidence"]["slope_ms_per_request"] == pytest.approx(1.0, rel=0.15), f["evidence"]
