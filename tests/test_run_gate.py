@@ -57,3 +57,14 @@ def test_spans_outside_the_window_do_not_count(tmp_path):
     _flush_in_batches(st, [10], every_s=0).join()
     n = wait_for_request_spans(st, (LO + 5 * 10**8, LO + 60 * 10**9), expect=10, quiet_s=1.0, timeout=60)
     assert n == 5
+
+
+def test_a_settle_time_that_is_not_seconds_is_refused_before_any_load(tmp_path):
+    import subprocess
+
+    from conftest import PY, ROOT
+
+    for bad in ("0", "-3", "7200"):
+        r = subprocess.run([PY, "-m", "ttftscope", "run", "--store", str(tmp_path / "s"), "--server",
+                            "http://127.0.0.1:9", "--settle-s", bad], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 2 and "--settle-s" in r.stderr and "cannot reach" not in r.stderr, r.stderr

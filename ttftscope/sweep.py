@@ -114,6 +114,8 @@ def run_command(a) -> int:
     try:
         profile = load_profile(a.profile) if a.profile else Profile("steady", num_prompts=60, request_rate=10)
         slo = SLO.from_arg(a.slo)
+        if a.settle_s is not None and not 0 < a.settle_s <= 3600:
+            raise ValueError(f"--settle-s {a.settle_s:g}: give seconds above 0, at most 3600")
     except ValueError as e:
         print(f"ttftscope run: {e}", file=sys.stderr)
         return 2
@@ -145,7 +147,8 @@ def run_command(a) -> int:
         res, rc = {"window_ns": (t0, time.time_ns()), "error": str(e)}, 3
     try:
         store = open_store(url)
-        wait_for_request_spans(store, (res["window_ns"][0], res["window_ns"][1] + 10**9), res.get("completed", 0) or 1)
+        wait_for_request_spans(store, (res["window_ns"][0], res["window_ns"][1] + 10**9), res.get("completed", 0) or 1,
+                               quiet_s=a.settle_s, timeout=max(60.0, 2 * (a.settle_s or 0)))
         record_loadtest(store, res, {"profile": profile.name, "server": server})
         report = Analyzer(store).analyze(Window(res["window_ns"][0], res["window_ns"][1] + 2 * 10**9), slo)
     except StoreError as e:
