@@ -465,6 +465,14 @@ def test_engine_host_overhead_sizes_the_python_above_a_healthy_time_per_step(mod
     assert saved["p50"] == pytest.approx(host_ms - HEALTHY_HOST_MS, abs=0.01), saved
 
 
+def _vllm_spans(name: str, rows: list[tuple[int, dict, int]]):
+    """Spans named ``name`` of a ``vllm`` service, one per ``(start ns, attributes, duration ns)``."""
+    n = len(rows)
+    attrs = {k: [r[1].get(k, "") for r in rows] for k in {k for r in rows for k in r[1]}}
+    return synth.spans_table(n, [r[0] for r in rows], [f"{i:032x}" for i in range(n)], [f"{i + 1:016x}" for i in range(n)],
+                             "", name, "Internal", "vllm", {"service.name": "vllm"}, attrs, [r[2] for r in rows])
+
+
 def test_a_steps_collectives_take_its_running_count_from_the_engines_step_span(tmp_path):
     """The workers' collective spans do not know how many requests ran (the plugin's carry no
     count): it comes from the engine's step span, a merged decode run covering ``step`` to
@@ -477,14 +485,9 @@ def test_a_steps_collectives_take_its_running_count_from_the_engines_step_span(t
     from ttftscope.schemas.vocabulary import Attr, SpanName
 
     now, ms = time.time_ns() - 60 * 10**9, 10**6
-    eng = {"service.name": "vllm"}
 
     def spans(name, rows):
-        n = len(rows)
-        attrs = {k: [r[1].get(k, "") for r in rows] for k in {k for r in rows for k in r[1]}}
-        return synth.spans_table(n, [now + r[0] * ms for r in rows], [f"{i:032x}" for i in range(n)],
-                            [f"{i + 1:016x}" for i in range(n)], "", name, "Internal", "vllm", eng, attrs,
-                            [r[2] for r in rows])
+        return _vllm_spans(name, [(now + r[0] * ms, r[1], r[2]) for r in rows])
 
     steps = spans(SpanName.STEP, [
         (0, {Attr.ENGINE: "engine-1", Attr.STEP: 5, Attr.RUNNING: 3}, 5 * ms),
@@ -516,10 +519,7 @@ def _collective_steps(tmp_path, slope_ms: float, noise_ms: float, seed: int):
     ar_ms = 0.3 + slope_ms * running + rng.exponential(noise_ms, n)
 
     def spans(name, rows):
-        attrs = {k: [r[1].get(k, "") for r in rows] for k in {k for r in rows for k in r[1]}}
-        return synth.spans_table(len(rows), [now + r[0] for r in rows], [f"{i:032x}" for i in range(len(rows))],
-                                 [f"{i + 1:016x}" for i in range(len(rows))], "", name, "Internal", "vllm",
-                                 {"service.name": "vllm"}, attrs, [r[2] for r in rows])
+        return _vllm_spans(name, [(now + r[0], r[1], r[2]) for r in rows])
 
     steps = spans(SpanName.STEP, [(i * 100 * ms, {Attr.ENGINE: "engine-1", Attr.STEP: i + 1,
                                                   Attr.RUNNING: int(running[i])}, 50 * ms) for i in range(n)])
@@ -533,8 +533,8 @@ def _collective_steps(tmp_path, slope_ms: float, noise_ms: float, seed: int):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_collectives_that_grow_a_little_amid_their_noise_are_not_a_finding(tmp_path, seed):
     """The clean TP=2 bursts of the truth suite (tests/truth/test_slow_collectives.py) on two
-    shared cores: collectives 0.33 ms at one request to 0.99 ms at 24, r = 0.30 (a CI run,
-    2026-12-03) — they do grow with the rows they carry, a little, under noise that explains most
+    shared cores: collectives 0.33 ms at one request to 0.99 ms at 24, r = 0.30 (a clean clone's
+    slow tier, 2026-12-03) — they do grow with the rows they carry, a little, under noise that explains most
     of their time. That is not "collectives grow with concurrency" (it was, at medium: the
     detector asked r >= 0.3)."""
     import numpy as np
