@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import html
 import logging
+import re
 import socket
 import threading
 import time
@@ -133,6 +134,51 @@ class _Headers(dict):
         return dict.get(self, name.lower(), default)
 
 
+#: a header block of plain fields only: a token, ``:``, printable ASCII, CRLF, line after line
+#: (what every OTLP exporter sends). Such a block is read where it lies (:class:`_PlainHeaders`);
+#: anything else (folded lines, a space before the colon, tabs, bare LFs, other bytes) line by
+#: line (:func:`_headers`). Both give the same value for every name of a plain block.
+_PLAIN_BLOCK = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ -~]*\r\n)*")
+
+
+_KEYS: dict[str, bytes] = {}  # a name asked for -> what marks its line in a lowered block
+
+
+class _PlainHeaders:
+    """A plain header block's fields, looked up when asked for (a request asks for a few)."""
+
+    __slots__ = ("raw", "low")
+
+    def __init__(self, block: bytes) -> None:
+        self.raw = b"\r\n" + block
+        self.low = self.raw.lower()
+
+    def get(self, name: str, default=None):  # noqa: D102 - as _Headers.get
+        key = _KEYS.get(name)
+        if key is None:
+            key = b"\r\n" + name.lower().encode("latin-1") + b":"
+            if len(_KEYS) < 64:
+                _KEYS[name] = key
+        at = self.low.find(key)
+        if at < 0:
+            return default
+        at += len(key)
+        return self.raw[at:self.raw.find(b"\r\n", at)].strip(b" ").decode("ascii")
+
+
+def _plain_headers(block: bytes) -> _PlainHeaders | None:
+    """The fields of a plain block (every line ending in CRLF, the blank line excluded), or
+    None when it is not plain or has more than ``_MAX_HEADERS`` fields."""
+    if _PLAIN_BLOCK.fullmatch(block) is None or block.count(b"\n") > _MAX_HEADERS:
+        return None
+    return _PlainHeaders(block)
+
+
+#: request lines parsed (the same few come again and again): the line -> (command, path,
+#: version, close), for lines that parse to a request
+_LINES: dict[bytes, tuple[str, str, str, bool]] = {}
+
+
 def _headers(lines: list[bytes]) -> _Headers:
     headers = _Headers()
     last = None
@@ -155,7 +201,7 @@ class _Request:
     path: str
     version: str
     close: bool
-    headers: _Headers | None = None
+    headers: _Headers | _PlainHeaders | None = None
     kind: str = "json"  # how errors are encoded
     length: int = 0
     encoding: str = "identity"
@@ -198,6 +244,8 @@ def _request_line(raw: bytes) -> _Request | tuple[int, str, str] | None:
             return 400, f"Bad HTTP/0.9 request type ({command!r})", version
     if path.startswith("//"):
         path = "/" + path.lstrip("/")
+    if len(_LINES) < 256 and len(raw) <= 512:
+        _LINES[raw] = (command, path, version, close)
     return _Request(command, path, version, close)
 
 
@@ -324,6 +372,8 @@ class _Conn(asyncio.Protocol):
     def _head(self) -> bool:
         """Parse the request line and headers when they are all in; False: wait or closed."""
         buf = self.buf
+        if not self.line_end and self._plain_head():
+            return True
         if not self.line_end:
             nl = buf.find(b"\n", 0, _MAX_LINE)
             if nl < 0:
@@ -360,6 +410,31 @@ class _Conn(asyncio.Protocol):
         del buf[:pos]
         self.line_end = 0
         req.headers = h = _headers(lines)
+        conntype = h.get("Connection", "").lower()
+        if conntype == "close":
+            req.close = True
+        elif conntype == "keep-alive":
+            req.close = False
+        return True
+
+    def _plain_head(self) -> bool:
+        """The common head in a few calls: all of it in the buffer, shorter than one line may
+        be, a request line seen before, plain header fields (:func:`_plain_headers`). False:
+        read it line by line (:meth:`_head`), which handles every other case and every error."""
+        buf = self.buf
+        end = buf.find(b"\r\n\r\n", 0, _MAX_LINE)
+        if end < 0:
+            return False
+        nl = buf.find(b"\n", 0, end + 2)
+        parsed = _LINES.get(bytes(buf[:nl + 1]))
+        if parsed is None:
+            return False
+        h = _plain_headers(bytes(buf[nl + 1:end + 2]))
+        if h is None:
+            return False
+        del buf[:end + 4]
+        self.req = req = _Request(*parsed)
+        req.headers = h
         conntype = h.get("Connection", "").lower()
         if conntype == "close":
             req.close = True

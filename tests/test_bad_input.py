@@ -272,3 +272,123 @@ def test_a_bad_request_line_is_refused(col):
     assert b"Error code: 400" in _raw(col, b"POST /v1/traces HTTP/1.x\r\n\r\n")
     assert b"Error code: 505" in _raw(col, b"POST /v1/traces HTTP/2.0\r\n\r\n")
     assert _raw(col, b"POST / v1 HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+
+
+# A plain header block (every OTLP exporter's) is read in a few calls where it lies, anything else
+# line by line: both must give the same value for every name, and the fast path must step aside
+# (None) for every block that is not plain.
+_NAMES = ["Content-Type", "content-length", "CONTENT-ENCODING", "Connection", "Authorization", "Expect", "X-Absent"]
+
+
+def _line_by_line(block: bytes):
+    from ttftscope.collector.server import _headers
+
+    return _headers([ln + b"\r\n" for ln in block.split(b"\r\n")[:-1]])
+
+
+@pytest.mark.parametrize("block", [
+    b"",
+    b"Content-Type: application/x-protobuf\r\nContent-Length: 12\r\n",
+    b"content-TYPE:application/x-protobuf\r\nConnection:  close  \r\nX-Empty:\r\nX-Spaces:   \r\n",
+    # the first of repeated fields, in any case
+    b"Content-Type: application/x-protobuf\r\nCONTENT-TYPE: application/json\r\nExpect: 100-continue\r\n",
+    b"Authorization: Bearer s3cret with spaces \r\nContent-Encoding: gzip\r\nX-Colon: a:b:c\r\n",
+    b"".join(b"X-%d: y\r\n" % i for i in range(100)),
+])
+def test_a_plain_header_block_reads_as_line_by_line(block):
+    from ttftscope.collector.server import _plain_headers
+
+    fast, slow = _plain_headers(block), _line_by_line(block)
+    assert fast is not None
+    names = _NAMES + [ln.split(b":", 1)[0].decode() for ln in block.split(b"\r\n")[:-1]]
+    assert [fast.get(n) for n in names] == [slow.get(n) for n in names]
+    assert fast.get("X-Absent", "d") == "d"
+
+
+@pytest.mark.parametrize("block", [
+    b"Content-Type:\r\n application/x-protobuf\r\n",  # folded
+    b"Content-Type : application/x-protobuf\r\n",  # a space before the colon
+    b"Content-Type:\tapplication/x-protobuf\r\n",  # a tab
+    b"Content-Type: application/x-protobuf\n",  # a bare LF
+    b"X-Latin: caf\xe9\r\n",  # not ASCII
+    b"no colon here\r\n",
+    b"".join(b"X-%d: y\r\n" % i for i in range(101)),  # past 100 fields: 431 from the line-by-line path
+])
+def test_any_other_header_block_is_left_to_the_line_by_line_path(block):
+    from ttftscope.collector.server import _plain_headers
+
+    assert _plain_headers(block) is None
+
+
+def test_random_header_blocks_read_the_same_both_ways():
+    import random
+
+    from ttftscope.collector.server import _plain_headers
+
+    rng = random.Random(7)
+    alphabet = [b"a", b"Z", b"-", b":", b" ", b"\t", b"x", b"1", b"\xe9", b"\r\n", b"\n", b"!", b"~"]
+    plain = 0
+    for _ in range(3000):
+        lines = []
+        for _ in range(rng.randint(0, 5)):
+            name = rng.choice([b"Content-Type", b"connection", b"X-A", b"X A", b""])
+            lines.append(name + rng.choice([b":", b" :", b""]) + b"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8))))
+        block = b"".join(ln + b"\r\n" for ln in lines)
+        fast = _plain_headers(block)
+        if fast is None:
+            continue
+        plain += 1
+        slow = _line_by_line(block)
+        names = _NAMES + ["X-A", "x-a", "X A", ""]
+        assert [fast.get(n) for n in names] == [slow.get(n) for n in names], block
+    assert plain > 300  # the generator makes plain blocks too, not only ones the fast path refuses
+
+
+def test_the_server_reads_a_plain_head_without_the_line_by_line_parser(tmp_path, monkeypatch):
+    """The fast path is the one taken for an exporter's head (not dead code), and a folded head
+    still goes line by line; both requests are answered 200 on one connection."""
+    import asyncio
+
+    import ttftscope.collector.server as srv_mod
+    from ttftscope.collector.metrics import CollectorMetrics
+    from ttftscope.collector.pipeline import Pipeline
+    from ttftscope.collector.spool import Spool
+    from ttftscope.schemas.store import open_store
+
+    calls = []
+    line_by_line = srv_mod._headers
+    monkeypatch.setattr(srv_mod, "_headers", lambda lines: calls.append(len(lines)) or line_by_line(lines))
+    monkeypatch.setattr(srv_mod, "_LINES", {})  # no request line known yet
+
+    class Transport:
+        def __init__(self) -> None:
+            self.out: list[bytes] = []
+
+        def write(self, b: bytes) -> None:
+            self.out.append(b)
+
+        def get_extra_info(self, _k):
+            return None
+
+        def close(self) -> None:
+            pass
+
+    pipeline = Pipeline(lambda: open_store(str(tmp_path / "store")), Spool(tmp_path / "spool", fsync=False),
+                        CollectorMetrics())
+    server = srv_mod.CollectorHTTPServer(srv_mod.ServerConfig(port=0), pipeline)
+    loop = asyncio.new_event_loop()
+    server.loop = loop
+    try:
+        conn, t = srv_mod._Conn(server), Transport()
+        conn.connection_made(t)
+        body = _request(2, "fast").SerializeToString()
+        heads = [_post_head(body, "Host: x\r\nContent-Type: application/x-protobuf\r\nUser-Agent: OTel-OTLP-Exporter\r\n"),
+                 _post_head(body, "Content-Type:\r\n application/x-protobuf\r\n")]
+        for head in heads * 2:  # the first request line is read line by line, then it is known
+            conn.data_received(head + body)
+            loop.run_until_complete(asyncio.sleep(0.01))
+    finally:
+        loop.close()
+        server._sock.close()
+    assert [o[:13] for o in t.out] == [b"HTTP/1.1 200 "] * 4, t.out
+    assert calls == [4, 3, 3], calls  # the plain head once (its line unknown yet), the folded one twice
