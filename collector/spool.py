@@ -46,6 +46,30 @@ class Segment:
     bytes: int
 
 
+class _Sealed(dict):
+    """The sealed segments by sequence number, with their rows and bytes summed as they come
+    and go: the receiver reads the spool's size on every request (its limit), and after an
+    outage of the store hundreds of segments wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = self.bytes = 0
+
+    def __setitem__(self, seq: int, seg: Segment) -> None:
+        self.pop(seq, None)
+        super().__setitem__(seq, seg)
+        self.rows += seg.rows
+        self.bytes += seg.bytes
+
+    def pop(self, seq: int, default=None):  # noqa: D102
+        seg = super().pop(seq, None)
+        if seg is None:
+            return default
+        self.rows -= seg.rows
+        self.bytes -= seg.bytes
+        return seg
+
+
 def _scan(path: Path, into: bytearray | None = None) -> tuple[int, int, list[tuple[bytes, memoryview]], bool]:
     """(valid bytes, rows, (magic, payload) records, torn tail?) of a segment file; payloads
     are views of one read of the file (a flush of 200k spans copied 50 MB twice more), read
@@ -102,7 +126,7 @@ class Spool:
             ) from None
         self._lock = threading.Lock()  # guards the open segment
         self._sync_lock = threading.Lock()  # one fsync at a time
-        self._sealed: dict[int, Segment] = {}
+        self._sealed = _Sealed()
         self.torn_records_dropped = 0
         self._recover()
         self.id = self._spool_id()
@@ -301,12 +325,12 @@ class Spool:
     @property
     def pending_rows(self) -> int:
         with self._lock:
-            return sum(s.rows for s in self._sealed.values()) + (self._open_rows if self._fd else 0)
+            return self._sealed.rows + (self._open_rows if self._fd else 0)
 
     @property
     def pending_bytes(self) -> int:
         with self._lock:
-            return sum(s.bytes for s in self._sealed.values()) + (self._open_bytes if self._fd else 0)
+            return self._sealed.bytes + (self._open_bytes if self._fd else 0)
 
     def close(self) -> None:
         with self._lock:

@@ -127,6 +127,42 @@ def test_crash_before_seal_keeps_every_record_and_counts_no_torn_one_in_the_zero
     assert [Spool.read(s) for s in sp3.sealed()] == [[bytes([65 + i]) * 300 for i in range(5)], [b"next"]]
 
 
+def test_the_spools_size_is_what_its_segments_hold_through_seals_removals_and_recovery(tmp_path):
+    """The spool's size (its limit is checked on every request) is kept as segments come and go,
+    not summed per request: it must stay exactly what the segment files hold."""
+    import os
+    import random
+
+    from ttftscope.collector.spool import Spool
+
+    def on_disk(sp: Spool) -> tuple[int, int]:
+        segs = sp.sealed()
+        rows = sum(s.rows for s in segs)
+        size = sum(s.path.stat().st_size for s in segs)
+        if any((tmp_path / "spool").glob("*.open")):  # the open one: its records, not the zeros ahead
+            rows, size = rows + sp._open_rows, size + sp._open_bytes
+        return rows, size
+
+    rng = random.Random(3)
+    sp = Spool(tmp_path / "spool", zero_ahead_bytes=16 << 10)
+    for i in range(300):
+        op = rng.random()
+        if op < 0.7:
+            sp.append(os.urandom(rng.randint(1, 5000)), rng.randint(1, 50))
+        elif op < 0.9:
+            sp.seal()
+        elif sp.sealed():
+            sp.remove(rng.choice(sp.sealed()))
+        assert (sp.pending_rows, sp.pending_bytes) == on_disk(sp), i
+    assert len(sp.sealed()) > 5  # the walk left several segments behind
+    os.close(sp._lock_fd)  # gone without sealing: recovery seals the open one
+    sp2 = Spool(tmp_path / "spool")
+    assert (sp2.pending_rows, sp2.pending_bytes) == on_disk(sp2) and sp2.pending_rows > 0
+    for seg in sp2.sealed():
+        sp2.remove(seg)
+    assert (sp2.pending_rows, sp2.pending_bytes) == (0, 0)
+
+
 def test_store_outage_spools_then_delivers_on_recovery(collector_factory, tmp_path):
     ch = ClickHouseFixture(tmp_path / "ch", port=free_port()).start()
     url = ch.url("ttft")
