@@ -15,7 +15,9 @@ Measured in one run, on the same requests:
              the same span rate as the plugin sends it by default (80-200 spans every 2 s)
 
 Usage: python bench/ingest.py [--requests 100] [--spans-per-request 500] [--http-seconds 20]
-       [--fleet-senders 40]. A 10-minute memory run: --http-seconds 600.
+       [--fleet-senders 40]. A 10-minute memory run: --http-seconds 600. Where a fleet's
+       request goes (the whole collector, its HTTP handling alone, the floor):
+       --fleet-anatomy ROUNDS.
 """
 
 from __future__ import annotations
@@ -93,10 +95,12 @@ def pipeline(bodies: list[bytes], tmp: Path, name: str, old: bool) -> tuple[floa
 
 
 class Collector:
-    def __init__(self, tmp: Path, name: str) -> None:
+    def __init__(self, tmp: Path, name: str, http_only: bool = False) -> None:
         self.port = free_port()
         self.store = str(tmp / f"store-{name}")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ttftscope", "collect", "--store", self.store, "--spool",
+        # http_only: bench/http_only.py, the same collector with its check and spool taken out
+        cmd = [str(Path(__file__).with_name("http_only.py"))] if http_only else ["-m", "ttftscope"]
+        self.proc = subprocess.Popen([sys.executable, *cmd, "collect", "--store", self.store, "--spool",
                                       str(tmp / f"spool-{name}"), "--listen", f"127.0.0.1:{self.port}"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -187,10 +191,11 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
 
 def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
                sizes: tuple[int, int] = (20, 50), name: str = "fleet",
-               floor: bool = False) -> tuple[float, float, float, str]:
+               floor: bool = False, http_only: bool = False) -> tuple[float, float, float, str]:
     """(spans per collector CPU-second, spans/s offered, requests/s, CPU by thread) with many
     small senders, each posting ``sizes`` spans every ``every_s``. ``floor``: the same senders
-    against bench/http_floor.py instead (its CPU per request in the last place)."""
+    against bench/http_floor.py instead (its CPU per request in the last place); ``http_only``:
+    against bench/http_only.py (the collector's HTTP handling alone, nothing stored)."""
     # each sender's requests built before the clock starts, as the bulk case's are, so that the
     # senders spend their time on the two shared cores posting, not building protobuf (within this
     # bench, interleaved: 24.6 / 24.6k spans per CPU-second built during the run against 24.6 /
@@ -202,7 +207,7 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
         counts = [rng.randint(*sizes) for _ in range(int(seconds / every_s) + 4)]
         plans.append([(n, otlp_request(n, seed=k * 1_000_000 + i)) for i, n in enumerate(counts)])
 
-    col = FloorServer(tmp, name) if floor else Collector(tmp, name)
+    col = FloorServer(tmp, name) if floor else Collector(tmp, name, http_only=http_only)
     sent = [0] * senders
     reqs = [0] * senders
     stop = threading.Event()
@@ -234,8 +239,29 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
     if floor:
         n = sum(sent)
         return n / cpu, n / dt, sum(reqs) / dt, f"{cpu / sum(reqs) * 1e6:.0f} us/request"
+    if http_only:  # nothing stored: per request sent, by thread (its idle flusher and start-up apart)
+        n = sum(sent)
+        return n / cpu, n / dt, sum(reqs) / dt, where(col, n, sum(reqs))
     assert n == sum(sent), (n, sum(sent))
     return n / cpu, n / dt, sum(reqs) / dt, where(col, n, sum(reqs))
+
+
+def anatomy(rounds: int, seconds: float, senders: int) -> None:
+    """CPU per fleet request: the whole collector, its HTTP handling alone, the floor server."""
+    warm_up()
+    otlp_compiled.warm_up()
+    print(f"fleet anatomy: {senders} senders x 20-50 spans every 0.5 s, {seconds:.0f} s each, "
+          f"CPU per request of the receiving process (interleaved, {rounds} rounds)")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for r in range(rounds):
+            _, _, rps, split = http_fleet(tmp, seconds, senders, name=f"whole{r}")
+            print(f"  whole collector        {split}   ({rps:.0f} requests/s)", flush=True)
+            _, _, rps, split = http_fleet(tmp, seconds, senders, name=f"http{r}", http_only=True)
+            print(f"  HTTP handling alone    {split.split('; ')[-1]} (bench/http_only.py: no check, nothing kept)",
+                  flush=True)
+            _, _, rps, per_req = http_fleet(tmp, seconds, senders, name=f"floor{r}", floor=True)
+            print(f"  floor server           {per_req} (bench/http_floor.py)", flush=True)
 
 
 def main() -> None:
@@ -244,7 +270,12 @@ def main() -> None:
     ap.add_argument("--spans-per-request", type=int, default=500)
     ap.add_argument("--http-seconds", type=float, default=20)
     ap.add_argument("--fleet-senders", type=int, default=40)
+    ap.add_argument("--fleet-anatomy", type=int, default=0, metavar="ROUNDS",
+                    help="only the fleet, taken apart: the whole collector, its HTTP handling alone "
+                         "(bench/http_only.py) and the floor server, interleaved, ROUNDS times")
     a = ap.parse_args()
+    if a.fleet_anatomy:
+        return anatomy(a.fleet_anatomy, a.http_seconds, a.fleet_senders)
     bodies = [otlp_request(a.spans_per_request, seed=i) for i in range(a.requests)]
     total = a.requests * a.spans_per_request
     print(f"{a.requests} OTLP requests x {a.spans_per_request} spans = {total} spans, "
