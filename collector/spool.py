@@ -69,6 +69,10 @@ class _Sealed(dict):
         self.bytes -= seg.bytes
         return seg
 
+    def __delitem__(self, seq: int) -> None:
+        if self.pop(seq) is None:
+            raise KeyError(seq)
+
 
 def _scan(path: Path, into: bytearray | None = None) -> tuple[int, int, list[tuple[bytes, memoryview]], bool]:
     """(valid bytes, rows, (magic, payload) records, torn tail?) of a segment file; payloads
