@@ -239,17 +239,14 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
     if floor:
         n = sum(sent)
         return n / cpu, n / dt, sum(reqs) / dt, f"{cpu / sum(reqs) * 1e6:.0f} us/request"
-    if http_only:  # nothing stored: per request sent, by thread (its idle flusher and start-up apart)
-        n = sum(sent)
-        return n / cpu, n / dt, sum(reqs) / dt, where(col, n, sum(reqs))
-    assert n == sum(sent), (n, sum(sent))
+    if not http_only:  # (http_only stores nothing: per span sent)
+        assert n == sum(sent), (n, sum(sent))
+    n = sum(sent)
     return n / cpu, n / dt, sum(reqs) / dt, where(col, n, sum(reqs))
 
 
 def anatomy(rounds: int, seconds: float, senders: int) -> None:
     """CPU per fleet request: the whole collector, its HTTP handling alone, the floor server."""
-    warm_up()
-    otlp_compiled.warm_up()
     print(f"fleet anatomy: {senders} senders x 20-50 spans every 0.5 s, {seconds:.0f} s each, "
           f"CPU per request of the receiving process (interleaved, {rounds} rounds)")
     with tempfile.TemporaryDirectory() as d:

@@ -141,9 +141,6 @@ class _Headers(dict):
 _PLAIN_BLOCK = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ -~]*\r\n)*")
 
 
-_KEYS: dict[str, bytes] = {}  # a name asked for -> what marks its line in a lowered block
-
-
 class _PlainHeaders:
     """A plain header block's fields, looked up when asked for (a request asks for a few)."""
 
@@ -154,11 +151,7 @@ class _PlainHeaders:
         self.low = self.raw.lower()
 
     def get(self, name: str, default=None):  # noqa: D102 - as _Headers.get
-        key = _KEYS.get(name)
-        if key is None:
-            key = b"\r\n" + name.lower().encode("latin-1") + b":"
-            if len(_KEYS) < 64:
-                _KEYS[name] = key
+        key = b"\r\n" + name.lower().encode("latin-1") + b":"
         at = self.low.find(key)
         if at < 0:
             return default
@@ -244,9 +237,17 @@ def _request_line(raw: bytes) -> _Request | tuple[int, str, str] | None:
             return 400, f"Bad HTTP/0.9 request type ({command!r})", version
     if path.startswith("//"):
         path = "/" + path.lstrip("/")
-    if len(_LINES) < 256 and len(raw) <= 512:
-        _LINES[raw] = (command, path, version, close)
     return _Request(command, path, version, close)
+
+
+def _set_headers(req: _Request, h: _Headers | _PlainHeaders) -> None:
+    """Give ``req`` its headers; ``Connection`` overrides the version's keep-alive default."""
+    req.headers = h
+    conntype = h.get("Connection", "").lower()
+    if conntype == "close":
+        req.close = True
+    elif conntype == "keep-alive":
+        req.close = False
 
 
 class _Conn(asyncio.Protocol):
@@ -381,7 +382,8 @@ class _Conn(asyncio.Protocol):
                     self._send_error(414, None, "")
                 return False
             self.line_end = nl + 1
-            got = _request_line(bytes(buf[:nl + 1]))
+            line = bytes(buf[:nl + 1])
+            got = _request_line(line)
             if got is None:
                 self.close()
                 return False
@@ -389,6 +391,8 @@ class _Conn(asyncio.Protocol):
                 code, message, version = got
                 self._send_error(code, message, version)
                 return False
+            if len(_LINES) < 256 and len(line) <= 512:  # (for _plain_head: only lines that parsed)
+                _LINES[line] = (got.command, got.path, got.version, got.close)
             self.req = got
             self.req.headers = None
         req = self.req
@@ -409,12 +413,7 @@ class _Conn(asyncio.Protocol):
             lines.append(line)
         del buf[:pos]
         self.line_end = 0
-        req.headers = h = _headers(lines)
-        conntype = h.get("Connection", "").lower()
-        if conntype == "close":
-            req.close = True
-        elif conntype == "keep-alive":
-            req.close = False
+        _set_headers(req, _headers(lines))
         return True
 
     def _plain_head(self) -> bool:
@@ -433,13 +432,8 @@ class _Conn(asyncio.Protocol):
         if h is None:
             return False
         del buf[:end + 4]
-        self.req = req = _Request(*parsed)
-        req.headers = h
-        conntype = h.get("Connection", "").lower()
-        if conntype == "close":
-            req.close = True
-        elif conntype == "keep-alive":
-            req.close = False
+        self.req = _Request(*parsed)
+        _set_headers(self.req, h)
         return True
 
     # -- routes -----------------------------------------------------------------
