@@ -107,6 +107,27 @@ def _from_headers(parent) -> tuple:
     return tid, pid, str(parent.get("tracestate", "") or "")
 
 
+def sdk_body(sdk_spans: list, tick: GilYield) -> bytes:
+    """SDK spans (vLLM's start-up spans, the cold-start root) as a serialized OTLP request.
+    They are written directly (the SDK's message, a fraction of its encoder's cost), giving
+    the GIL away as they go (GilYield); else through that encoder in slices, with the GIL
+    given away between them. Serialized requests concatenate into one request."""
+    if not sdk_spans:
+        return b""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from .span_wire import sdk_request
+
+    body = sdk_request(sdk_spans, tick=tick)
+    if body is None:
+        parts = []
+        for i in range(0, len(sdk_spans), SDK_SLICE):
+            tick()
+            parts.append(encode_spans(sdk_spans[i:i + SDK_SLICE]).SerializeToString())
+        body = b"".join(parts)
+    return body
+
+
 class DeferredSpans:
     """Finished spans as plain tuples, bounded; turned into OTLP protobuf on the export thread.
 
@@ -141,6 +162,17 @@ class DeferredSpans:
             return
         self._q.append((name, start_s, end_s, attrs, parent))
         if len(self._q) == self.max_batch and self.wake is not None:
+            self.wake()
+
+    def extend(self, records: list[tuple]) -> None:
+        """Records made elsewhere (another process's, handed over): as many as the queue has
+        room for, the rest dropped and counted."""
+        room = self.max_queue - len(self._q)
+        if room < len(records):
+            self.dropped += len(records) - max(room, 0)
+            records = records[:max(room, 0)]
+        self._q.extend(records)
+        if len(self._q) >= self.max_batch and self.wake is not None:
             self.wake()
 
     def group(self, build, args: tuple) -> None:
@@ -201,6 +233,8 @@ class DeferredSpans:
                 if got is None:
                     got = ids[key] = _from_headers(parent)
                 tid, pid, state = got
+            elif parent.__class__ is tuple:  # (trace id, parent id, state), resolved where it was recorded
+                tid, pid, state = parent
             elif isinstance(parent, Context):
                 tid, pid, state = None, b"", ""
                 sc = trace.get_current_span(parent).get_span_context()
@@ -301,25 +335,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if client is None:
             res = self.exporter.export(sdk_spans)
             return getattr(res, "name", "SUCCESS") == "SUCCESS"
-        body = b""
         tick = GilYield()
         c0 = time.thread_time()
-        if sdk_spans:
-            from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
-            from .span_wire import sdk_request
-
-            # vLLM's spans are written directly (the SDK's message, a fraction of its
-            # encoder's cost), giving the GIL away as they go (GilYield); else through that
-            # encoder in slices, with the GIL given away between them. Serialized requests
-            # concatenate into one request.
-            body = sdk_request(sdk_spans, tick=tick)
-            if body is None:
-                parts = []
-                for i in range(0, len(sdk_spans), SDK_SLICE):
-                    tick()
-                    parts.append(encode_spans(sdk_spans[i:i + SDK_SLICE]).SerializeToString())
-                body = b"".join(parts)
+        body = sdk_body(sdk_spans, tick)
         c1 = time.thread_time()
         if taken:  # repeated fields concatenate: each source's ResourceSpans joins the request
             from .span_wire import request_entry

@@ -80,6 +80,9 @@ class PluginConfig:
     #: a loaded collector may take seconds to answer (it fsyncs before it acknowledges): only the
     #: export thread waits, and a batch that times out is counted failed, never sent twice
     export_timeout_s: float = 10.0
+    #: TTFTSCOPE_EXPORT_PROCESS: hand the records to an export sidecar process that builds, encodes
+    #: and posts them (``collector.handoff``), not the serving process's export thread
+    export_process: bool = True
     #: adapters switched off by name (TTFTSCOPE_DISABLE=a,b)
     disabled: frozenset[str] = field(default_factory=frozenset)
 
@@ -103,5 +106,6 @@ class PluginConfig:
             max_batch=int(_float(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, 1)),
             interval_s=_float(env, "OTEL_BSP_SCHEDULE_DELAY", DEFAULT_INTERVAL_MS, 10) / 1000,
             export_timeout_s=_float(env, "OTEL_BSP_EXPORT_TIMEOUT", 10_000, 100) / 1000,
+            export_process=env.get("TTFTSCOPE_EXPORT_PROCESS", "1").strip().lower() not in _OFF,
             disabled=frozenset(x.strip() for x in env.get("TTFTSCOPE_DISABLE", "").split(",") if x.strip()),
         )

@@ -119,12 +119,22 @@ class PrefixHashes:
             self._hashes, self.toks = out, ()
         return self._hashes
 
+    def __reduce__(self):
+        # handed to the export sidecar as plain ints (vLLM's token list type stays here)
+        return _prefix_hashes, (list(self.toks) if self._hashes is None else (), self._hashes)
+
     def freeze(self) -> PrefixHashes:
         self.hashes()
         return self
 
     def __str__(self) -> str:
         return self.hashes()[0]
+
+
+def _prefix_hashes(toks: list, hashes: list[str] | None) -> PrefixHashes:
+    ph = PrefixHashes(toks)
+    ph._hashes = hashes
+    return ph
 
 
 class _ChainOf:

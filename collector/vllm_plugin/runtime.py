@@ -164,10 +164,14 @@ def setup_otel(role: str) -> None:
         attrs[ResourceAttr.RUN] = cfg.run
     resource = Resource.create(attrs)
     provider = TracerProvider(resource=resource)
-    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.endpoint, timeout=cfg.export_timeout_s),
-                                     max_queue=cfg.max_queue, max_batch=cfg.max_batch,
-                                     interval_s=cfg.interval_s,
-                                     poster=_poster(cfg))
+    exporter = OTLPSpanExporter(endpoint=cfg.endpoint, timeout=cfg.export_timeout_s)
+    kw = {"max_queue": cfg.max_queue, "max_batch": cfg.max_batch, "interval_s": cfg.interval_s, "poster": _poster(cfg)}
+    if cfg.export_process:  # built, encoded and posted by an export sidecar (collector.handoff)
+        from ..handoff import HandoffProcessor
+
+        proc = HandoffProcessor(exporter, role=role, endpoint=cfg.endpoint, timeout_s=cfg.export_timeout_s, **kw)
+    else:
+        proc = BoundedBatchSpanProcessor(exporter, **kw)
     provider.add_span_processor(proc)
     if not hasattr(trace.get_tracer_provider(), "add_span_processor"):
         # no SDK provider yet: ours becomes the global one (for libraries that use it; vLLM

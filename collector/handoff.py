@@ -1,0 +1,394 @@
+"""Export from a process of its own: the plugin's records leave vLLM's processes as they are.
+
+Building span attributes, writing OTLP protobuf and posting it cost a serving process about
+as much CPU as all the plugin's hooks together (bench/overhead: ~150 us a request in the
+engine core's export thread, ~80 in the API server's), and that thread takes the GIL from
+vLLM's engine loop and event loop while it works. ``HandoffProcessor`` keeps the plugin's
+export thread and its guarantees (a bounded queue, never a blocked serving thread) but,
+where it used to encode and post, it pickles the plain records it took (their lazy
+``(build, args)`` attributes unbuilt) and writes them to a pipe: the **export sidecar**, a
+small child process (``python -m ttftscope.collector.handoff``), builds, encodes and posts them with
+the same code (``DeferredSpans.encode``, ``OtlpHttpPoster``), retries as before and keeps
+its own bounded queue.
+
+Safety: the sidecar is started on the first export; one that dies is started again (at most
+``MAX_STARTS`` times, then the records are encoded and posted in-process as before, with
+one warning); a pipe that stays full for the export timeout (a stopped sidecar) counts the
+batch failed and starts a new sidecar. A record that cannot be pickled is encoded here, as
+before. At exit the serving process hands over what is left, closes the pipe and waits for
+the sidecar to post it (up to the export timeout); the sidecar ignores SIGINT and SIGTERM
+(a Ctrl-C or a process-group TERM stops vLLM, and the sidecar then drains and leaves when
+its pipe closes). ``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the serving process.
+
+Wire: a 4-byte little-endian length, then one pickle of ``(sources, batches, raw)``:
+``sources`` the resource, scope and kind of each source the sidecar has not seen as they
+are now, ``batches`` each source's records, ``raw`` an already serialized OTLP request (SDK
+spans, which keep their own span ids: the cold-start root, vLLM's start-up spans) or b"".
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import json
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+from .otel_setup import (
+    BoundedBatchSpanProcessor,
+    DeferredSpans,
+    GilYield,
+    name_native_thread,
+    sdk_body,
+)
+
+log = logging.getLogger("vllm.ttftscope")
+
+#: sidecars one serving process starts at most (the first and restarts after it died)
+MAX_STARTS = 5
+#: how long a new sidecar may take to start (its imports, on a loaded host) before the export
+#: stays in the serving process
+READY_TIMEOUT_S = 30.0
+#: the pipe's buffer (bytes; Linux F_SETPIPE_SZ, best effort): a few exports' worth
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = 1031
+_HEADER = struct.Struct("<I")
+
+
+def _reduce_context(ctx):
+    """An OpenTelemetry Context as a record's parent: its span's (trace id, span id, state),
+    which ``DeferredSpans.encode`` takes as they are (the sidecar needs no Context)."""
+    from opentelemetry import trace
+
+    sc = trace.get_current_span(ctx).get_span_context()
+    if not sc.is_valid:
+        return type(None), ()
+    state = sc.trace_state.to_header() if sc.trace_state else ""
+    return tuple, ((sc.trace_id.to_bytes(16, "big"), sc.span_id.to_bytes(8, "big"), state),)
+
+
+def _dispatch_table() -> dict:
+    table = copyreg.dispatch_table.copy()  # a private table: pickling elsewhere in vLLM is untouched
+    try:
+        from opentelemetry.context import Context
+
+        table[Context] = _reduce_context
+    except ImportError:  # pragma: no cover - the plugin needs opentelemetry anyway
+        pass
+    return table
+
+
+def dump_frame(msg) -> memoryview:
+    """One frame: the length, then the pickle of ``msg``."""
+    buf = io.BytesIO()
+    buf.write(b"\0\0\0\0")
+    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    p.dispatch_table = _TABLE
+    p.dump(msg)
+    view = buf.getbuffer()
+    _HEADER.pack_into(view, 0, len(view) - 4)
+    return view
+
+
+_TABLE = _dispatch_table()
+
+
+class Sidecar:
+    """The export process of one serving process, fed over a pipe (started on first use)."""
+
+    def __init__(self, role: str, timeout_s: float, settings: dict) -> None:
+        self.role = role
+        self.timeout_s = timeout_s
+        self.settings = settings  # the sidecar's endpoint, timeout, queue, batch and interval
+        self.proc: subprocess.Popen | None = None
+        self.fd = -1
+        self.starts = 0
+        self.generation = 0  # a new sidecar knows no sources yet
+        self.broken = False  # no sidecar any more: export in-process
+        self.retry_after: str | None = None  # read by the processor when a batch could not be handed over
+        self.last_status = 0
+        os.register_at_fork(after_in_child=self.forget)
+
+    def ensure(self) -> bool:
+        """A live sidecar with its pipe open (started now if needed); False: export in-process."""
+        if self.broken:
+            return False
+        if self.fd >= 0 and self.proc is not None and self.proc.poll() is None:
+            return True
+        self._discard()
+        if self.starts >= MAX_STARTS:
+            self.broken = True
+            log.warning("ttftscope: the export sidecar stopped %d times; exporting from this process", self.starts)
+            return False
+        self.starts += 1
+        r, w = os.pipe()
+        try:
+            try:
+                import fcntl
+
+                fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_BYTES)
+            except (OSError, ImportError):
+                pass
+            # -P: not the working directory's modules first (a user's own "ttftscope" package)
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "ttftscope.collector.handoff", self.role,
+                                          json.dumps(self.settings)],
+                                         stdin=r, stdout=subprocess.PIPE, close_fds=True)
+            # it says it is ready (imports done, its processor up) before it is given anything:
+            # a sidecar that cannot start loses no records and leaves the export here, loudly
+            with self.proc.stdout as ready:
+                if not (select.select([ready], [], [], READY_TIMEOUT_S)[0] and ready.read(1) == b"R"):
+                    self.proc.kill()
+                    raise RuntimeError(f"it did not start (exit status {self.proc.wait()})")
+        except Exception as e:  # noqa: BLE001 - no sidecar: the export thread does it, as before
+            os.close(w)
+            self.broken = True
+            log.warning("ttftscope: no export sidecar (%s); exporting from this process", e)
+            return False
+        finally:
+            os.close(r)
+        os.set_blocking(w, False)
+        self.fd = w
+        self.generation += 1
+        return True
+
+    def send(self, frame: memoryview) -> str:
+        """Write one frame: "ok"; "unsent" (nothing of it reached the pipe: it may be sent
+        again); "lost" (part of it did, or the pipe stayed full for the export timeout: the
+        sidecar is let go, its stream cut mid-frame)."""
+        sent, n = 0, len(frame)
+        deadline = time.monotonic() + self.timeout_s
+        while sent < n:
+            try:
+                sent += os.write(self.fd, frame[sent:])
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                select.select([], [self.fd], [], min(left, 0.5))
+            except OSError:  # the sidecar is gone (EPIPE)
+                break
+        if sent == n:
+            return "ok"
+        self._discard(kill=True)
+        return "unsent" if sent == 0 else "lost"
+
+    def _discard(self, kill: bool = False) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        if kill and self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None and self.proc.poll() is not None:
+            self.proc = None
+
+    def forget(self) -> None:
+        """In a forked child: the parent's sidecar is not ours (its pipe closed here, not killed)."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd, self.proc = -1, None
+
+    def close(self, wait_s: float) -> None:
+        """Close the pipe and give the sidecar ``wait_s`` to post what it holds and leave."""
+        proc = self.proc
+        self._discard()
+        if proc is not None:
+            try:
+                proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                log.warning("ttftscope: the export sidecar (pid %d) is still posting; leaving it to finish", proc.pid)
+        self.proc = None
+
+
+class HandoffProcessor(BoundedBatchSpanProcessor):
+    """The plugin's bounded processor, exporting through an export sidecar (module docstring)."""
+
+    def __init__(self, exporter, *, role: str, endpoint: str, timeout_s: float, **kw) -> None:
+        settings = {"endpoint": endpoint, "timeout_s": timeout_s, **{k: kw[k] for k in ("max_queue", "max_batch",
+                                                                                       "interval_s") if k in kw}}
+        self.link = Sidecar(role, timeout_s, settings)
+        self._sent: dict[int, tuple] = {}  # source index -> (resource, scope, kind) the sidecar has
+        self._sent_gen = 0
+        self._pickle_failed = False
+        super().__init__(exporter, **kw)
+
+    def _client(self):
+        return super()._client() if self.link.broken else self.link
+
+    def _post(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
+        if not self.link.ensure():
+            return super()._post(sdk_spans, taken)  # in-process, through the poster (``_client``)
+        if self._sent_gen != self.link.generation:
+            self._sent, self._sent_gen = {}, self.link.generation
+        tick = GilYield()
+        c0 = time.thread_time()
+        raw = sdk_body(sdk_spans, tick)
+        c1 = time.thread_time()
+        news, batches = [], []
+        for src, records in taken:
+            i = self.sources.index(src)
+            if src._resource_attrs is None:
+                src._resource_attrs = dict(src.resource.attributes) if src.resource is not None else {}
+            desc = (src._resource_attrs, src.scope, src.kind.value if src.kind is not None else None)
+            if self._sent.get(i) != desc:
+                news.append((i, *desc))
+            batches.append((i, records))
+        try:
+            frame = dump_frame((news, batches, raw))
+        except Exception:  # noqa: BLE001 - a record that does not pickle: encoded here, as without a sidecar
+            if not self._pickle_failed:
+                self._pickle_failed = True
+                log.exception("ttftscope: records could not be handed to the export sidecar; encoding them here")
+            from .span_wire import request_entry
+
+            raw += b"".join(request_entry(src.encode(records, tick)) for src, records in taken)
+            news = []
+            frame = dump_frame(([], [], raw))
+        c2 = time.thread_time()
+        got = self.link.send(frame)
+        parts = self.cpu_parts
+        parts["sdk"] += c1 - c0
+        parts["encode"] += c2 - c1
+        parts["post"] += time.thread_time() - c2
+        self.posts += 1
+        if got == "ok":
+            self._sent.update((i, tuple(d)) for i, *d in news)
+            self._status = 200
+            return True
+        # nothing handed over: first in line again for a new sidecar at once; else counted failed
+        self._status, self.link.retry_after = (503, "0") if got == "unsent" else (0, None)
+        return False
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        super().shutdown()
+        self.link.close(self.link.timeout_s)
+
+
+class _SidecarProcessor(BoundedBatchSpanProcessor):
+    """The sidecar's processor: records from the pipe, posted as soon as they arrive."""
+
+    def __init__(self, *a, **kw) -> None:
+        self.raw: deque[bytes] = deque(maxlen=64)
+        super().__init__(*a, **kw)
+
+    def _drain(self, everything: bool = False) -> None:
+        while self.raw:
+            body = self.raw.popleft()
+            try:
+                ok = self.poster.export(body)
+            except Exception:  # noqa: BLE001
+                ok = False
+            if not ok:
+                self.failed += 1
+        super()._drain(everything)
+
+
+class _NoExporter:
+    """The sidecar posts serialized requests (its poster); nothing needs an SDK exporter."""
+
+    def export(self, spans) -> None:  # pragma: no cover - never called with a poster
+        raise RuntimeError("the export sidecar posts serialized requests only")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _self_timing(out_dir: str, parent_role: str, proc: _SidecarProcessor, sources: dict) -> None:
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir) / f"export-sidecar-{os.getpid()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        doc = {"role": f"{parent_role}_sidecar", "parent_role": parent_role, "pid": os.getpid(), "wall": time.time(),
+               "process_cpu_s": time.process_time(), "export_cpu_s": time.process_time(), "hooks_s": 0.0,
+               "hooks_wall_s": 0.0, "hook_calls": 0, "exported": proc.exported, "failed": proc.failed,
+               "dropped": proc.dropped + sum(s.dropped for s in sources.values()),
+               "export_parts_s": dict(proc.cpu_parts), "export_posts": proc.posts, "per_hook": {},
+               "vllm_imported": "vllm" in sys.modules}
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, out)
+        time.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The sidecar: frames from stdin until it closes, then everything posted, then exit."""
+    argv = sys.argv[1:] if argv is None else argv
+    parent_role, settings = argv[0], json.loads(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # vLLM's Ctrl-C / group TERM: drain, leave at EOF
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format=f"ttftscope export sidecar ({parent_role}): %(message)s")
+    name_native_thread("ttftscope-sidecar")
+    from opentelemetry.trace import SpanKind
+
+    from .span_wire import OtlpHttpPoster
+
+    max_queue, max_batch = int(settings.get("max_queue", 8192)), int(settings.get("max_batch", 512))
+    proc = _SidecarProcessor(_NoExporter(), max_queue=max_queue, max_batch=max_batch,
+                             interval_s=float(settings.get("interval_s", 2.0)),
+                             poster=OtlpHttpPoster(settings["endpoint"], timeout=float(settings["timeout_s"])))
+    sources: dict[int, DeferredSpans] = {}
+    if timing_dir := os.environ.get("TTFTSCOPE_SELF_TIMING"):
+        threading.Thread(target=_self_timing, args=(timing_dir, parent_role, proc, sources),
+                         name="ttftscope-self-timing", daemon=True).start()
+    os.write(1, b"R")  # ready: the serving process hands records over from now on
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    stdin = os.fdopen(0, "rb", buffering=PIPE_BYTES)
+    unknown = bad = 0
+    while True:
+        head = stdin.read(4)
+        if len(head) < 4:
+            break
+        (n,) = _HEADER.unpack(head)
+        data = stdin.read(n)
+        if len(data) < n:
+            break
+        try:
+            news, batches, raw = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - one bad frame costs its spans, not the sidecar
+            bad += 1
+            if bad == 1:
+                log.exception("a frame could not be read; its spans are lost")
+            continue
+        for i, attrs, scope, kind in news:
+            src = sources.get(i)
+            if src is None:
+                src = sources[i] = DeferredSpans(None, None, scope=scope, max_queue=max_queue, max_batch=max_batch,
+                                                 kind=SpanKind(kind) if kind is not None else None)
+                proc.add_source(src)
+            src._resource_attrs, src.scope = attrs, scope
+        for i, records in batches:
+            src = sources.get(i)
+            if src is None:
+                unknown += len(records)
+                continue
+            src.extend(records)
+        if raw:
+            proc.raw.append(raw)
+        proc._wake.set()
+    proc.shutdown()
+    dropped = proc.dropped + sum(s.dropped for s in sources.values()) + unknown
+    if dropped or proc.failed:
+        log.warning("exported %d spans; %d dropped, %d failed", proc.exported, dropped, proc.failed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

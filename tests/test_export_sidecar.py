@@ -1,0 +1,210 @@
+"""The export sidecar (``collector.handoff``): the plugin's records leave the serving process
+as they are and a child process builds, encodes and posts them. Checked against the
+in-process export (itself checked against the OpenTelemetry SDK's encoder in
+test_plugin_export) into a real collector, and through the ways a child process fails: killed,
+never started, stopped with a full pipe, sent SIGTERM with the rest of the process group."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+from conftest import ttftscope_sql
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import SpanKind
+from ttftscope.collector import handoff
+from ttftscope.collector.otel_setup import BoundedBatchSpanProcessor, DeferredSpans
+from ttftscope.collector.span_wire import OtlpHttpPoster
+from ttftscope.collector.vllm_plugin import engine as E
+
+T0 = 1_700_000_000.0
+TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+class TokenList(list):
+    """Stands for vLLM's own token-list type: a class the sidecar cannot import (this test
+    module is not on its path), so a prompt handed over as this type would be lost there."""
+
+
+def _pipeline(url: str, service: str, sidecar: bool, **kw):
+    resource = Resource.create({"service.name": service, "ttftscope.process.role": "engine_core"})
+    provider = TracerProvider(resource=resource)
+    args = {"interval_s": 60, "poster": OtlpHttpPoster(url + "/v1/traces", timeout=5), **kw}
+    exporter = OTLPSpanExporter(endpoint=url + "/v1/traces", timeout=5)
+    proc = (handoff.HandoffProcessor(exporter, role="engine_core", endpoint=url + "/v1/traces", timeout_s=5, **args)
+            if sidecar else BoundedBatchSpanProcessor(exporter, **args))
+    provider.add_span_processor(proc)
+    tracer = provider.get_tracer("t")
+    ours = DeferredSpans(tracer, resource)
+    vllms = DeferredSpans(tracer, resource, scope=("vllm.tracing.otel", ""), kind=SpanKind.SERVER)
+    proc.add_source(ours)
+    proc.add_source(vllms)
+    return proc, tracer, ours, vllms
+
+
+def _record_everything(tracer, ours: DeferredSpans, vllms: DeferredSpans, k: int) -> None:
+    """What the plugin records in serving: an engine step's lazy group (a prefill chunk with
+    its prompt's prefix hashes, a queue wait), a decode run, plain spans under a request's trace
+    headers, one under an SDK span's Context (cold start), vLLM's llm_request under a Context
+    with a trace state, and an SDK span of vLLM's own."""
+    th = {"traceparent": TP, "x-ttftscope-handoff": "1.5"}
+    toks = TokenList(range(k, k + 150))
+    chunk = E.Chunk(f"req-{k}-abcdef12", 140, 32, 0, th, f"cmpl-{k}", E.PrefixHashes(toks), 16)
+    ours.group(E._step_spans, (k, T0 + k, T0 + k + 0.01, T0 + k + 0.03, T0 + k + 0.031,
+                               ([chunk], [(T0 + k - 0.2, f"req-{k}-abcdef12", f"cmpl-{k}", 3, th)]),
+                               1, 1, 2, 140, "engine-7", (0.01, 0.02, 0.001, 0.004), 8))
+    run = E.DecodeRun(T0 + k + 1, T0 + k + 1.5, 40, 80, 2, 100 + k, 139 + k, 0.01, 0.4, 0.02, 0.01, 3, 2, 5)
+    ours.add("ttftscope.step", run.start, run.end, (E._run_attrs, (run, "engine-7")))
+    ours.add("ttftscope.tokenize", T0 + k, T0 + k + 0.002, {"ttftscope.phase": "tokenize", "n": k, "f": 0.25,
+                                                            "b": True, "s": "é" * 3}, th)
+    root = tracer.start_span("ttftscope.process", start_time=int((T0 + k) * 1e9))
+    ours.add("ttftscope.load", T0 + k, T0 + k + 0.5, {"ttftscope.load.stage": "imports"},
+             trace.set_span_in_context(root))
+    root.end(end_time=int((T0 + k + 1) * 1e9))
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+    ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+        0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7 + k, is_remote=True, trace_flags=TraceFlags(1),
+        trace_state=TraceState([("vendor", "v1")]))))
+    vllms.add("llm_request", T0 + k, T0 + k + 0.1, {"gen_ai.usage.prompt_tokens": 150, "gen_ai.request.id": f"cmpl-{k}",
+                                                   "gen_ai.latency.time_in_queue": 0.125}, ctx)
+
+
+def _rows(store: str, service: str) -> list[tuple]:
+    """Every span as what identifies it regardless of the random ids the encoder gives: name,
+    times, kind, scope, attributes, trace state, and its parent (the given trace and parent ids,
+    a new trace, or the name of the span it sits under)."""
+    rows = ttftscope_sql(store, """
+        SELECT SpanName, toUnixTimestamp64Nano(Timestamp) AS start, Duration, SpanKind, ScopeName, SpanAttributes AS a,
+               TraceState, TraceId, ParentSpanId, SpanId, ResourceAttributes AS res
+        FROM otel_traces WHERE ServiceName = {s:String}""", params={"s": service})
+    by_id = {r["SpanId"]: r for r in rows}
+    out = []
+    for r in rows:
+        parent = by_id.get(r["ParentSpanId"])
+        out.append((r["SpanName"], int(r["start"]), int(r["Duration"]), r["SpanKind"], r["ScopeName"],
+                    tuple(sorted(r["a"].items())), r["TraceState"],
+                    (r["TraceId"] if r["TraceId"] == TP[3:35] else "new", r["ParentSpanId"]) if parent is None
+                    else ("under", parent["SpanName"]),
+                    r["res"]["ttftscope.process.role"]))
+    return sorted(out)
+
+
+def test_records_handed_to_the_sidecar_arrive_as_the_in_process_export_writes_them(collector_factory):
+    col = collector_factory().start()
+    for service, sidecar in (("in-process", False), ("sidecar", True)):
+        proc, tracer, ours, vllms = _pipeline(col.url, service, sidecar)
+        for k in range(3):
+            _record_everything(tracer, ours, vllms, k)
+        assert proc.force_flush() and proc.failed == 0
+        if sidecar:
+            pid = proc.link.proc.pid
+            assert pid != os.getpid() and proc.link.starts == 1 and not proc.link.broken
+        proc.shutdown()
+        if sidecar:
+            assert proc.link.proc is None, "the sidecar left once its pipe closed and it had posted"
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    inproc, side = _rows(col.store, "in-process"), _rows(col.store, "sidecar")
+    assert len(inproc) == 3 * 8, [r[0] for r in inproc]
+    assert side == inproc
+    prefill = [r for r in side if r[0] == "ttftscope.prefill"]
+    assert all(dict(r[5])["ttftscope.prefix.hash"] for r in prefill), "the prompts' hashes were computed there"
+
+
+def test_a_killed_sidecar_is_replaced_and_what_comes_after_arrives(collector_factory):
+    col = collector_factory().start()
+    proc, tracer, ours, vllms = _pipeline(col.url, "killed", True)
+    ours.add("first", T0, T0 + 1, {"i": 1})
+    assert proc.force_flush()
+    first = proc.link.proc
+    deadline = time.monotonic() + 30
+    while col.metric("ttftscope_collector_spans_received_total") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the sidecar posted it (what a sidecar holds when it is killed is lost)
+    first.kill()
+    first.wait(10)
+    ours.add("second", T0, T0 + 1, {"i": 2})
+    assert proc.force_flush()
+    assert proc.link.starts == 2 and proc.link.proc.pid != first.pid
+    proc.shutdown()
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    got = ttftscope_sql(col.store, "SELECT SpanName AS n FROM otel_traces WHERE ServiceName = 'killed' ORDER BY n")
+    assert [r["n"] for r in got] == ["first", "second"]
+
+
+def test_without_a_sidecar_the_export_stays_in_process(collector_factory, monkeypatch, caplog):
+    """A sidecar that cannot start (here the interpreter exits at once) takes no record with it:
+    the export thread encodes and posts them itself, and says so once."""
+    col = collector_factory().start()
+    monkeypatch.setattr(handoff.sys, "executable", "/bin/false")
+    proc, tracer, ours, vllms = _pipeline(col.url, "no-sidecar", True)
+    with caplog.at_level(logging.WARNING, logger="vllm.ttftscope"):
+        _record_everything(tracer, ours, vllms, 0)
+        assert proc.force_flush()
+    assert proc.link.broken and "no export sidecar" in caplog.text
+    proc.shutdown()
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    assert len(_rows(col.store, "no-sidecar")) == 8
+
+
+def test_a_stopped_sidecar_costs_its_batch_not_a_blocked_export(collector_factory):
+    """A sidecar that stops reading (SIGSTOP) fills its pipe: the export thread gives up on the
+    frame after its timeout (counted failed: part of it may be in the pipe), lets that sidecar go
+    and the next export goes to a new one."""
+    col = collector_factory().start()
+    proc, tracer, ours, vllms = _pipeline(col.url, "stopped", True, max_batch=512, max_queue=4096)
+    proc.link.timeout_s = 1.0
+    ours.add("before", T0, T0 + 1, {})
+    assert proc.force_flush()
+    deadline = time.monotonic() + 30
+    while col.metric("ttftscope_collector_spans_received_total") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the sidecar posted it (what a sidecar holds when it is killed is lost)
+    stopped = proc.link.proc
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        for i in range(512):  # ~2.5 MB in one frame: more than the pipe holds
+            ours.add("big", T0, T0 + 1, {"pad": f"{i:05d}" + "x" * 5000})
+        proc.force_flush()
+        assert proc.failed == 512 and stopped.wait(10) == -signal.SIGKILL
+    finally:
+        if stopped.poll() is None:
+            os.kill(stopped.pid, signal.SIGCONT)
+    ours.add("after", T0, T0 + 1, {})
+    assert proc.force_flush() and proc.link.starts == 2
+    proc.shutdown()
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    got = ttftscope_sql(col.store, "SELECT SpanName AS n, count() AS c FROM otel_traces WHERE ServiceName = 'stopped' "
+                                   "GROUP BY n ORDER BY n")
+    assert [(r["n"], int(r["c"])) for r in got] == [("after", 1), ("before", 1)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_sidecar_still_posts_what_it_was_given(collector_factory, sig):
+    """vLLM stopped with Ctrl-C or a TERM to its process group: the sidecar gets the signal too,
+    keeps going, and posts everything the serving process hands over at its exit."""
+    col = collector_factory().start()
+    proc, tracer, ours, vllms = _pipeline(col.url, "signalled", True)
+    ours.add("early", T0, T0 + 1, {})
+    assert proc.force_flush()
+    os.kill(proc.link.proc.pid, sig)
+    time.sleep(0.3)
+    assert proc.link.proc.poll() is None, "the signal did not stop it"
+    for i in range(50):
+        ours.add("at-exit", T0 + i, T0 + i + 1, {"i": i})
+    sidecar = proc.link.proc
+    proc.shutdown()  # hands the 50 over, closes the pipe, waits for the sidecar to post and leave
+    assert sidecar.returncode == 0
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    got = ttftscope_sql(col.store, "SELECT SpanName AS n, count() AS c FROM otel_traces "
+                                   "WHERE ServiceName = 'signalled' GROUP BY n ORDER BY n")
+    assert [(r["n"], int(r["c"])) for r in got] == [("at-exit", 50), ("early", 1)]
