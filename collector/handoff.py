@@ -214,6 +214,27 @@ class Sidecar:
         self.proc = None
 
 
+def probe(endpoint: str, timeout_s: float = READY_TIMEOUT_S) -> str | None:
+    """Start an export sidecar as the plugin would and let it go (``ttftscope doctor``): None
+    when it started and said it was ready, else why not."""
+
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    h = Keep(logging.WARNING)
+    log.addHandler(h)
+    try:
+        s = Sidecar("doctor", timeout_s, {"endpoint": endpoint, "timeout_s": 1.0})
+        ok = s.ensure()
+        s.close(timeout_s)
+    finally:
+        log.removeHandler(h)
+    return None if ok else ("; ".join(got) or "it did not start")
+
+
 class HandoffProcessor(BoundedBatchSpanProcessor):
     """The plugin's bounded processor, exporting through an export sidecar (module docstring)."""
 
@@ -339,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     from opentelemetry.trace import SpanKind
 
     from .span_wire import OtlpHttpPoster
+
+    # the modules whose functions build the records' attributes, imported now (start-up) rather
+    # than by the first frame that names one of them
+    from .vllm_plugin import engine, frontend, http, worker  # noqa: F401
 
     max_queue, max_batch = int(settings.get("max_queue", 8192)), int(settings.get("max_batch", 512))
     proc = _SidecarProcessor(_NoExporter(), max_queue=max_queue, max_batch=max_batch,

@@ -208,3 +208,22 @@ def test_a_signalled_sidecar_still_posts_what_it_was_given(collector_factory, si
     got = ttftscope_sql(col.store, "SELECT SpanName AS n, count() AS c FROM otel_traces "
                                    "WHERE ServiceName = 'signalled' GROUP BY n ORDER BY n")
     assert [(r["n"], int(r["c"])) for r in got] == [("at-exit", 50), ("early", 1)]
+
+
+@pytest.mark.parametrize("n", [0, 63, 64, 150, 4096, 5000])
+@pytest.mark.parametrize("big", [False, True])
+def test_prefix_hashes_handed_over_hash_as_they_would_here(n, big):
+    """A prompt's prefix hashes computed after the trip through the pickle the sidecar reads
+    are the ones computed in the serving process: prompts shorter than a block, on and off the
+    block boundary, past the 64-block cap, token ids past 2**31, and hashes already computed."""
+    import pickle
+    import random
+
+    rng = random.Random(n)
+    toks = TokenList(rng.randrange(2**40 if big else 150_000) for _ in range(n))
+    here = E.PrefixHashes(toks)
+    there = pickle.loads(bytes(handoff.dump_frame(E.PrefixHashes(toks))[4:]))
+    assert there.hashes() == here.hashes() and str(there.chain) == str(here.chain)
+    frozen = pickle.loads(bytes(handoff.dump_frame(E.PrefixHashes(toks).freeze())[4:]))
+    assert frozen.hashes() == here.hashes()
+    assert len(here.hashes()) == min(n // E.PREFIX_BLOCK, E.PREFIX_MAX_BLOCKS)

@@ -195,6 +195,8 @@ def test_doctor_reports_adapters_collector_and_store(collector_factory, tmp_path
     coll = next(ln for ln in r.stdout.splitlines() if ln.startswith("collector"))
     assert " ok " in coll and "reachable" in coll, coll
     assert "0.1 of requests (OTEL_TRACES_SAMPLER=traceidratio)" in r.stdout
+    side = next(ln for ln in r.stdout.splitlines() if ln.startswith("export sidecar"))
+    assert " ok " in side and "starts" in side, side
     for a in ad.check_all():
         assert f"adapter {a.name}" in r.stdout
     assert "PROBLEM" not in r.stdout

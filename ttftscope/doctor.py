@@ -72,6 +72,16 @@ def run_checks(store_url: str | None = None, *, check_collector: bool = True) ->
                                                "a client's sampled traceparent flag wins"))
     out.append(Check("export", "info", f"every {cfg.interval_s:g}s, batches of {cfg.max_batch}, queue {cfg.max_queue} "
                                        f"spans (dropped past it), timeout {cfg.export_timeout_s:g}s"))
+    if not cfg.export_process:
+        out.append(Check("export sidecar", "info", "off (TTFTSCOPE_EXPORT_PROCESS): spans are built, encoded and "
+                                                   "posted by each vLLM process's export thread"))
+    else:
+        from ttftscope.collector.handoff import probe
+
+        why = probe(cfg.endpoint)
+        out.append(Check("export sidecar", "ok" if why is None else "warn",
+                         "starts: spans are built, encoded and posted by a child process of each vLLM process"
+                         if why is None else f"{why} (the plugin exports from vLLM's processes instead)"))
     if cfg.profile_every:
         out.append(Check("profiler windows", "info", f"every {cfg.profile_every}th worker step under torch.profiler"))
     if check_collector:

@@ -8,6 +8,7 @@ import functools
 import os
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -120,8 +121,15 @@ class PrefixHashes:
         return self._hashes
 
     def __reduce__(self):
-        # handed to the export sidecar as plain ints (vLLM's token list type stays here)
-        return _prefix_hashes, (list(self.toks) if self._hashes is None else (), self._hashes)
+        # handed to the export sidecar as the ints' bytes (one copy in C, not an int at a time;
+        # vLLM's token list type stays here)
+        if self._hashes is not None:
+            return _prefix_hashes, ("i", b"", self._hashes)
+        usable = self.toks[:len(self.toks) // PREFIX_BLOCK * PREFIX_BLOCK]  # whole blocks are hashed
+        try:
+            return _prefix_hashes, ("i", array("i", usable).tobytes(), None)
+        except OverflowError:  # a token id past 2**31
+            return _prefix_hashes, ("q", array("q", usable).tobytes(), None)
 
     def freeze(self) -> PrefixHashes:
         self.hashes()
@@ -131,8 +139,10 @@ class PrefixHashes:
         return self.hashes()[0]
 
 
-def _prefix_hashes(toks: list, hashes: list[str] | None) -> PrefixHashes:
-    ph = PrefixHashes(toks)
+def _prefix_hashes(code: str, toks: bytes, hashes: list[str] | None) -> PrefixHashes:
+    a = array(code)
+    a.frombytes(toks)
+    ph = PrefixHashes(a.tolist())
     ph._hashes = hashes
     return ph
 
