@@ -15,7 +15,9 @@ Layout: ``config`` (the environment), ``adapters`` (the registry and its self-ch
 Environment: ``TTFTSCOPE_ENABLED=0`` turns it off; ``TTFTSCOPE_ENDPOINT`` (else the
 standard ``OTEL_EXPORTER_OTLP_*``); ``TTFTSCOPE_SAMPLE_RATIO`` (else ``OTEL_TRACES_SAMPLER``
 and ``_ARG``); ``TTFTSCOPE_RUN`` labels the run; ``TTFTSCOPE_PROFILE_EVERY=N``;
-``TTFTSCOPE_SELF_TIMING=DIR``; ``TTFTSCOPE_DISABLE=adapter,...``; ``OTEL_BSP_*``.
+``TTFTSCOPE_SELF_TIMING=DIR``; ``TTFTSCOPE_DISABLE=adapter,...``; ``OTEL_BSP_*``;
+``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the process (else an export sidecar,
+``collector.handoff``, builds, encodes and posts the spans).
 """
 
 from __future__ import annotations
