@@ -116,6 +116,7 @@ class Sidecar:
         self.broken = False  # no sidecar any more: export in-process
         self.retry_after: str | None = None  # read by the processor when a batch could not be handed over
         self.last_status = 0
+        self.lock = threading.Lock()  # one frame at a time (a force_flush from another thread)
         os.register_at_fork(after_in_child=self.forget)
 
     def ensure(self) -> bool:
@@ -164,6 +165,10 @@ class Sidecar:
         """Write one frame: "ok"; "unsent" (nothing of it reached the pipe: it may be sent
         again); "lost" (part of it did, or the pipe stayed full for the export timeout: the
         sidecar is let go, its stream cut mid-frame)."""
+        with self.lock:
+            return self._send(frame)
+
+    def _send(self, frame: memoryview) -> str:
         sent, n = 0, len(frame)
         deadline = time.monotonic() + self.timeout_s
         while sent < n:
@@ -245,12 +250,17 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
         self._sent: dict[int, tuple] = {}  # source index -> (resource, scope, kind) the sidecar has
         self._sent_gen = 0
         self._pickle_failed = False
+        self._post_lock = threading.Lock()
         super().__init__(exporter, **kw)
 
     def _client(self):
         return super()._client() if self.link.broken else self.link
 
     def _post(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
+        with self._post_lock:  # the export thread, or a force_flush from another: one sidecar, one frame at a time
+            return self._handoff(sdk_spans, taken)
+
+    def _handoff(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
         if not self.link.ensure():
             return super()._post(sdk_spans, taken)  # in-process, through the poster (``_client``)
         if self._sent_gen != self.link.generation:
