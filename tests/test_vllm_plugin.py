@@ -347,18 +347,40 @@ def test_stock_vllm_tracing_without_the_plugin(tmp_path):
     assert ((df["queue"] + df["prefill"] + df["gap"]) == df["ttft"]).all()
 
 
+def _sidecars_rss_mb(srv) -> dict[str, float]:
+    """Resident memory (MB) of the serving processes' export sidecars, by the role they export for."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(srv.proc.pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+            if "ttftscope.collector.handoff" in cmd:
+                out[cmd[cmd.index("ttftscope.collector.handoff") + 1]] = p.memory_info().rss / 2**20
+        except psutil.Error:
+            continue
+    return out
+
+
 def test_collector_down_requests_still_succeed_with_bounded_memory(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}/v1/traces"
     srv = VllmServer(tmp_path, dead, run="down", extra=["--disable-log-stats"]).start()
     try:
         srv.completion("warm", 2)
-        before = srv.rss_mb()
+        time.sleep(2.5)  # every serving process has exported once: its export sidecar is up
+        before, side_before = srv.rss_mb(), _sidecars_rss_mb(srv)
         for i in range(60):
             assert srv.completion(prompt_of(20, i), 4)["choices"]
-        after = srv.rss_mb()
+        time.sleep(2.5)  # the last records handed over
+        after, side_after = srv.rss_mb(), _sidecars_rss_mb(srv)
         assert requests.get(srv.url + "/health", timeout=5).status_code == 200
         serving_log = srv.output()  # (vLLM may log its own errors while shutting down; not ours)
     finally:
         srv.stop()
     assert after - before < 64, f"API server grew {after - before:.0f} MB with the collector down"
+    # the spans wait in the export sidecars (bounded queues) while every post fails
+    assert set(side_before) >= {"api_server", "engine_core"} and set(side_after) == set(side_before), \
+        (side_before, side_after)
+    grew = {k: side_after[k] - side_before[k] for k in side_after}
+    assert all(g < 32 for g in grew.values()), f"export sidecars grew {grew} MB with the collector down"
     assert "Traceback" not in serving_log
