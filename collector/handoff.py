@@ -7,7 +7,7 @@ vLLM's engine loop and event loop while it works. ``HandoffProcessor`` keeps the
 export thread and its guarantees (a bounded queue, never a blocked serving thread) but,
 where it used to encode and post, it pickles the plain records it took (their lazy
 ``(build, args)`` attributes unbuilt) and writes them to a pipe: the **export sidecar**, a
-small child process (``python -m ttftscope.collector.handoff``), builds, encodes and posts them with
+small child process (``python -m ttftscope.collector.handoff``, at nice 10), builds, encodes and posts them with
 the same code (``DeferredSpans.encode``, ``OtlpHttpPoster``), retries as before and keeps
 its own bounded queue.
 
@@ -58,6 +58,9 @@ MAX_STARTS = 5
 #: how long a new sidecar may take to start (its imports, on a loaded host) before the export
 #: stays in the serving process
 READY_TIMEOUT_S = 30.0
+#: the sidecar's niceness: its work is background and waits well, vLLM's threads do not
+#: (best effort; a host where vLLM spins on every core still gives it ~10 % of a core's share)
+NICE = 10
 #: the pipe's buffer (bytes; Linux F_SETPIPE_SZ, best effort): a few exports' worth
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = 1031
@@ -369,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     parent_role, settings = argv[0], json.loads(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # vLLM's Ctrl-C / group TERM: drain, leave at EOF
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        os.nice(NICE)
+    except OSError:
+        pass
     logging.basicConfig(level=logging.WARNING, format=f"ttftscope export sidecar ({parent_role}): %(message)s")
     name_native_thread("ttftscope-sidecar")
     from opentelemetry.trace import SpanKind

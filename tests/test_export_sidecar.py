@@ -106,6 +106,9 @@ def test_records_handed_to_the_sidecar_arrive_as_the_in_process_export_writes_th
         if sidecar:
             pid = proc.link.proc.pid
             assert pid != os.getpid() and proc.link.starts == 1 and not proc.link.broken
+            import psutil
+
+            assert psutil.Process(pid).nice() == min(os.nice(0) + handoff.NICE, 19), "it yields to vLLM's threads"
         proc.shutdown()
         if sidecar:
             assert proc.link.proc is None, "the sidecar left once its pipe closed and it had posted"

@@ -172,6 +172,8 @@ def test_config_honours_the_standard_otel_variables():
     assert PluginConfig.from_env({"TTFTSCOPE_SAMPLE_RATIO": "junk"}).sample_ratio == 1.0
     assert not PluginConfig.from_env({"TTFTSCOPE_ENABLED": "off"}).enabled
     assert PluginConfig.from_env({"TTFTSCOPE_DISABLE": "output, scheduler"}).disabled == {"output", "scheduler"}
+    assert PluginConfig.from_env({}).export_process, "the export sidecar is the default"
+    assert not PluginConfig.from_env({"TTFTSCOPE_EXPORT_PROCESS": "0"}).export_process
 
 
 def _doctor(*args, env=None):
