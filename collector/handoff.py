@@ -128,6 +128,9 @@ class Sidecar:
             return False
         if self.fd >= 0 and self.proc is not None and self.proc.poll() is None:
             return True
+        if self.proc is not None and self.proc.poll() is not None:  # what it held and had not posted is lost
+            log.warning("ttftscope: the export sidecar (pid %d) exited with status %s; starting another",
+                        self.proc.pid, self.proc.returncode)
         self._discard()
         if self.starts >= MAX_STARTS:
             self.broken = True
@@ -427,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             src.extend(records)
         if raw:
+            if len(proc.raw) == proc.raw.maxlen:  # (the oldest goes)
+                proc.dropped += 1
             proc.raw.append(raw)
         proc._wake.set()
     proc.shutdown()

@@ -121,7 +121,7 @@ def test_records_handed_to_the_sidecar_arrive_as_the_in_process_export_writes_th
     assert all(dict(r[5])["ttftscope.prefix.hash"] for r in prefill), "the prompts' hashes were computed there"
 
 
-def test_a_killed_sidecar_is_replaced_and_what_comes_after_arrives(collector_factory):
+def test_a_killed_sidecar_is_replaced_and_what_comes_after_arrives(collector_factory, caplog):
     col = collector_factory().start()
     proc, tracer, ours, vllms = _pipeline(col.url, "killed", True)
     ours.add("first", T0, T0 + 1, {"i": 1})
@@ -133,8 +133,10 @@ def test_a_killed_sidecar_is_replaced_and_what_comes_after_arrives(collector_fac
     first.kill()
     first.wait(10)
     ours.add("second", T0, T0 + 1, {"i": 2})
-    assert proc.force_flush()
+    with caplog.at_level(logging.WARNING, logger="vllm.ttftscope"):
+        assert proc.force_flush()
     assert proc.link.starts == 2 and proc.link.proc.pid != first.pid
+    assert f"sidecar (pid {first.pid}) exited with status -9" in caplog.text, "an operator is told"
     proc.shutdown()
     col.wait_quiet(quiet_s=1.0)
     assert col.terminate() == 0
