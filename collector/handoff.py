@@ -16,7 +16,8 @@ Safety: the sidecar is started on the first export; one that dies is started aga
 one warning); a pipe that stays full for the export timeout (a stopped sidecar) counts the
 batch failed and starts a new sidecar. A record that cannot be pickled is encoded here, as
 before. At exit the serving process hands over what is left, closes the pipe and waits for
-the sidecar to post it (up to the export timeout); the sidecar ignores SIGINT and SIGTERM
+the sidecar to post it (up to 4 s: vLLM kills a child's whole tree after 5; a sidecar still
+posting then finishes on its own); the sidecar ignores SIGINT and SIGTERM
 (a Ctrl-C or a process-group TERM stops vLLM, and the sidecar then drains and leaves when
 its pipe closes). ``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the serving process.
 
@@ -58,6 +59,10 @@ MAX_STARTS = 5
 #: how long a new sidecar may take to start (its imports, on a loaded host) before the export
 #: stays in the serving process
 READY_TIMEOUT_S = 30.0
+#: how long a serving process waits at exit for its sidecar to post what it holds (seconds):
+#: under vLLM's own 5-s grace for a child before it kills the child's whole tree, sidecar
+#: included; a sidecar still posting then finishes on its own
+EXIT_WAIT_S = 4.0
 #: the sidecar's niceness: its work is background and waits well, vLLM's threads do not
 #: (best effort; a host where vLLM spins on every core still gives it ~10 % of a core's share)
 NICE = 10
@@ -314,7 +319,7 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
         if self._stop.is_set():
             return
         super().shutdown()
-        self.link.close(self.link.timeout_s)
+        self.link.close(min(self.link.timeout_s, EXIT_WAIT_S))
 
 
 class _SidecarProcessor(BoundedBatchSpanProcessor):
