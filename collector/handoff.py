@@ -85,13 +85,10 @@ def _reduce_context(ctx):
 
 
 def _dispatch_table() -> dict:
-    table = copyreg.dispatch_table.copy()  # a private table: pickling elsewhere in vLLM is untouched
-    try:
-        from opentelemetry.context import Context
+    from opentelemetry.context import Context
 
-        table[Context] = _reduce_context
-    except ImportError:  # pragma: no cover - the plugin needs opentelemetry anyway
-        pass
+    table = copyreg.dispatch_table.copy()  # a private table: pickling elsewhere in vLLM is untouched
+    table[Context] = _reduce_context
     return table
 
 
@@ -123,7 +120,7 @@ class Sidecar:
         self.generation = 0  # a new sidecar knows no sources yet
         self.broken = False  # no sidecar any more: export in-process
         self.retry_after: str | None = None  # read by the processor when a batch could not be handed over
-        self.last_status = 0
+        self.why: str | None = None  # why there is no sidecar (``broken``)
         self.lock = threading.Lock()  # one frame at a time (a force_flush from another thread)
         os.register_at_fork(after_in_child=self.forget)
 
@@ -138,8 +135,8 @@ class Sidecar:
                         self.proc.pid, self.proc.returncode)
         self._discard()
         if self.starts >= MAX_STARTS:
-            self.broken = True
-            log.warning("ttftscope: the export sidecar stopped %d times; exporting from this process", self.starts)
+            self.broken, self.why = True, f"the export sidecar stopped {self.starts} times"
+            log.warning("ttftscope: %s; exporting from this process", self.why)
             return False
         self.starts += 1
         r, w = os.pipe()
@@ -162,8 +159,8 @@ class Sidecar:
                     raise RuntimeError(f"it did not start (exit status {self.proc.wait()})")
         except Exception as e:  # noqa: BLE001 - no sidecar: the export thread does it, as before
             os.close(w)
-            self.broken = True
-            log.warning("ttftscope: no export sidecar (%s); exporting from this process", e)
+            self.broken, self.why = True, f"no export sidecar ({e})"
+            log.warning("ttftscope: %s; exporting from this process", self.why)
             return False
         finally:
             os.close(r)
@@ -233,22 +230,10 @@ class Sidecar:
 def probe(endpoint: str, timeout_s: float = READY_TIMEOUT_S) -> str | None:
     """Start an export sidecar as the plugin would and let it go (``ttftscope doctor``): None
     when it started and said it was ready, else why not."""
-
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            got.append(record.getMessage())
-
-    h = Keep(logging.WARNING)
-    log.addHandler(h)
-    try:
-        s = Sidecar("doctor", timeout_s, {"endpoint": endpoint, "timeout_s": 1.0})
-        ok = s.ensure()
-        s.close(timeout_s)
-    finally:
-        log.removeHandler(h)
-    return None if ok else ("; ".join(got) or "it did not start")
+    s = Sidecar("doctor", timeout_s, {"endpoint": endpoint, "timeout_s": 1.0})
+    ok = s.ensure()
+    s.close(timeout_s)
+    return None if ok else s.why
 
 
 class HandoffProcessor(BoundedBatchSpanProcessor):
@@ -302,11 +287,7 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
             frame = dump_frame(([], [], raw))
         c2 = time.thread_time()
         got = self.link.send(frame)
-        parts = self.cpu_parts
-        parts["sdk"] += c1 - c0
-        parts["encode"] += c2 - c1
-        parts["post"] += time.thread_time() - c2
-        self.posts += 1
+        self._account(c0, c1, c2)
         if got == "ok":
             self._sent.update((i, tuple(d)) for i, *d in news)
             self._status = 200
@@ -352,26 +333,20 @@ class _NoExporter:
 
 
 def _self_timing(out_dir: str, parent_role: str, proc: _SidecarProcessor, sources: dict) -> None:
-    import json
     from pathlib import Path
 
-    out = Path(out_dir) / f"export-sidecar-{os.getpid()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    mine = 0.0  # this thread's own CPU: the accounting's cost (~1 ms a write here), not the export's
-    while True:
-        t = time.thread_time()
+    from .vllm_plugin.runtime import write_every_second
+
+    def doc(mine: float) -> dict:
         cpu = time.process_time()
-        doc = {"role": f"{parent_role}_sidecar", "parent_role": parent_role, "pid": os.getpid(), "wall": time.time(),
-               "process_cpu_s": cpu, "export_cpu_s": cpu - mine, "timing_cpu_s": mine, "hooks_s": 0.0,
-               "hooks_wall_s": 0.0, "hook_calls": 0, "exported": proc.exported, "failed": proc.failed,
-               "dropped": proc.dropped + sum(s.dropped for s in sources.values()),
-               "export_parts_s": dict(proc.cpu_parts), "export_posts": proc.posts, "per_hook": {},
-               "heavy_imports": [m for m in ("vllm", "torch", "pyarrow", "numpy") if m in sys.modules]}
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, out)
-        mine += time.thread_time() - t
-        time.sleep(1.0)
+        return {"role": f"{parent_role}_sidecar", "parent_role": parent_role, "pid": os.getpid(), "wall": time.time(),
+                "process_cpu_s": cpu, "export_cpu_s": cpu - mine, "timing_cpu_s": mine, "hooks_s": 0.0,
+                "hooks_wall_s": 0.0, "hook_calls": 0, "exported": proc.exported, "failed": proc.failed,
+                "dropped": proc.dropped + sum(s.dropped for s in sources.values()),
+                "export_parts_s": dict(proc.cpu_parts), "export_posts": proc.posts, "per_hook": {},
+                "heavy_imports": [m for m in ("vllm", "torch", "pyarrow", "numpy") if m in sys.modules]}
+
+    write_every_second(Path(out_dir) / f"export-sidecar-{os.getpid()}.json", doc)
 
 
 def main(argv: list[str] | None = None) -> int:
