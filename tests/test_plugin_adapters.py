@@ -109,6 +109,45 @@ def test_the_worker_step_wrapper_steps_aside_when_it_has_nothing_to_time(monkeyp
     assert (gpu_worker.Worker.execute_model is vllms) == (not wrapped)
 
 
+def test_a_failing_step_hook_turns_the_step_hooks_off_and_never_reaches_vllm(monkeypatch, caplog):
+    """The engine loop's step hooks run without a guard of their own (a call layer costs
+    microseconds per step there): the scheduler wrappers catch what they raise, log it once, turn
+    both step hooks off, and vLLM's schedule and update return their own results all the same."""
+    from ttftscope.collector.vllm_plugin import engine as E
+    from vllm.v1.core.sched import scheduler as sched_mod
+
+    S = sched_mod.Scheduler
+    outputs = []
+
+    def schedule(self, *a, **kw):  # stands in for vLLM's methods (no engine here)
+        out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+        outputs.append(out)
+        return out
+
+    def update(self, scheduler_output, *a, **kw):
+        return ("updated", scheduler_output)
+
+    for name, fn in (("add_request", lambda self, r: None), ("schedule", schedule), ("update_from_output", update)):
+        monkeypatch.setattr(S, name, fn)
+    monkeypatch.setattr(E, "ST", E.EngineState())
+    E._install_scheduler()
+    me = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8)
+    out = S.schedule(me)
+    assert out is outputs[0] and out._ttftscope_step == 1, "a healthy step: stamped for the workers"
+    assert S.update_from_output(me, out) == ("updated", out)
+    assert len(E.ST.log) == 1, "and logged"
+    broken = SimpleNamespace(running=None, waiting=[], max_num_running_reqs=8)  # len(None) raises in the hook
+    with caplog.at_level(logging.ERROR, logger="vllm.ttftscope"):
+        for _ in range(3):
+            out = S.schedule(broken)
+            assert out is outputs[-1], "vLLM's output all the same"
+            assert S.update_from_output(broken, out) == ("updated", out)
+    failures = [r for r in caplog.records if "failed and is now disabled" in r.getMessage()]
+    assert len(failures) == 1, [r.getMessage() for r in caplog.records]
+    out = S.schedule(me)
+    assert not hasattr(out, "_ttftscope_step") and len(E.ST.log) == 1, "the step hooks stay off"
+
+
 @pytest.mark.parametrize("name, collective", [
     ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>(vllm::RankData*, vllm::RankSignals, ...)", True),
     ("void vllm::cross_device_reduce_2stage<half, 8>(...)", True),  # vLLM's custom all-reduce (NVLink TP)

@@ -30,6 +30,7 @@ from .runtime import (
     ext_id_of,
     group,
     guard,
+    hot,
     log,
     sampled,
     set_model,
@@ -269,23 +270,37 @@ def _install_scheduler() -> None:
         return orig_add(self, request)
 
     floor = timing_floor if RT.config.self_timing_dir else None
+    live = [True]  # the step hooks (hot: no guard of their own): off, logged once, if one raises
+    clock = time.time
+
+    def broken(hook: str) -> None:
+        live[0] = False
+        log.exception("ttftscope: hook %s failed and is now disabled (with the other step hook)", hook)
 
     @functools.wraps(orig_schedule)
     def schedule(self, *a, **kw):
-        t0 = time.time()
+        t0 = clock()
         out = orig_schedule(self, *a, **kw)
-        _on_schedule(ST, self, out, t0, time.time())
+        if live[0]:
+            try:
+                _on_schedule(ST, self, out, t0, clock())
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server
+                broken("schedule")
         if floor is not None:
             floor(ST, self, out, t0, t0)
         return out
 
     @functools.wraps(orig_update)
     def update_from_output(self, scheduler_output, *a, **kw):
-        t_u0 = time.time()
+        t_u0 = clock()
         try:
             return orig_update(self, scheduler_output, *a, **kw)
         finally:
-            _on_step_done(ST, self, scheduler_output, t_u0, time.time())
+            if live[0]:
+                try:
+                    _on_step_done(ST, self, scheduler_output, t_u0, clock())
+                except Exception:  # noqa: BLE001
+                    broken("step")
 
     S.add_request, S.schedule, S.update_from_output = add_request, schedule, update_from_output
 
@@ -378,21 +393,18 @@ def _cached_tokens(req, before: int, index: int) -> int:
     return max(before, 0)
 
 
-@guard("schedule")
-def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
+@hot("schedule")
+def _on_schedule(st: EngineState, sched, out, t0: float, t1: float, _id=id, _len=len) -> None:
     """Runs on the engine loop every step: a decode-only step (no new request, no prefill in
     progress) costs a counter and a tuple; a step with prefill work gathers its chunks' plain
-    values (the spans are built on the export thread)."""
+    values (the spans are built on the export thread). Hot: its caller catches what it raises."""
     st.step = step = st.step + 1
-    try:
-        object.__setattr__(out, "_ttftscope_step", step)  # travels with the output to the workers
-    except Exception:  # noqa: BLE001
-        pass
+    out._ttftscope_step = step  # travels with the output to the workers
     new = out.scheduled_new_reqs
     work = _prefill_work(st, sched, out, new) if new or st.chunks else None
     pending = st.pending
-    pending[id(out)] = (step, t0, t1, work, len(sched.running), len(sched.waiting))
-    if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
+    pending[_id(out)] = (step, t0, t1, work, _len(sched.running), _len(sched.waiting))
+    if _len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 
 
@@ -444,27 +456,35 @@ def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float) 
             Attr.STEP_UPDATE_NS: int(update * 1e9), Attr.STEP_IDLE_NS: int(idle * 1e9)}
 
 
-@guard("step")
-def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None:
+@hot("step")
+def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float, _id=id) -> None:
     """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
     its anatomy is schedule [t0, t1], execute [t1, t_u0] (the workers, and with async
     scheduling the wait for them), update [t_u0, t_u1], and the idle time since the
-    previous step closed."""
-    p = st.pending.pop(id(out), None)
-    prev_end, st.last_end = st.last_end, t_u1
+    previous step closed. Hot: its caller catches what it raises."""
+    p = st.pending.pop(_id(out), None)
+    prev_end = st.last_end
+    st.last_end = t_u1
     if p is None:
         return
-    step, t0, t1, work, running, waiting = p
-    total = out.total_num_scheduled_tokens
-    if work is None:
+    if p[3] is None:
         # a decode-only step: logged as it is (one append), merged into runs off the engine loop
         # (fold_steps); requests waiting and nothing scheduled: no span, the open run ends
+        total = out.total_num_scheduled_tokens
         if total:
-            st.log.append((step, t0, t1, t_u0, t_u1, prev_end, total, running, waiting,
+            waiting = p[5]
+            st.log.append((p[0], p[1], p[2], t_u0, t_u1, prev_end, total, p[4], waiting,
                            sched.max_num_running_reqs if waiting else 0))
-        elif waiting:
+        elif p[5]:
             st.log.append(None)
         return
+    _step_with_work(st, sched, out, t_u0, t_u1, p, prev_end)
+
+
+def _step_with_work(st: EngineState, sched, out, t_u0: float, t_u1: float, p: tuple, prev_end: float) -> None:
+    """A step with prefill work or requests first scheduled: its spans, built on the export thread."""
+    step, t0, t1, work, running, waiting = p
+    total = out.total_num_scheduled_tokens
     st.log.append(None)  # this step's spans stand alone: the open run ends before it
     sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
     idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0

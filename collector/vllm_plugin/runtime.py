@@ -63,27 +63,41 @@ def guard(name: str):
                 log.exception("ttftscope: hook %s failed and is now disabled", name)
                 return None
 
-        if not RT.config.self_timing_dir:
-            return wrapper
-
-        mine = RT.per_hook.setdefault(name, [0, 0.0])
-
-        @functools.wraps(fn)
-        def timed(*a, **kw):
-            # the hook's CPU (this thread's) and its wall time: the difference is time it waited
-            # for the GIL (another thread of this process running Python), not work of its own
-            c, t = time.thread_time(), time.perf_counter()
-            try:
-                return wrapper(*a, **kw)
-            finally:
-                RT.hooks_wall_s += time.perf_counter() - t
-                cpu = time.thread_time() - c
-                RT.hooks_s += cpu
-                RT.hook_calls += 1
-                mine[0] += 1
-                mine[1] += cpu
-        return timed
+        return _timed(name, wrapper)
     return deco
+
+
+def hot(name: str):
+    """Decorator for hook bodies on the hottest paths (every engine step): no wrapper of its
+    own, so nothing but the body runs — a call layer is several µs of CPU on a loop whose
+    caches the model's step has just emptied. Its caller catches what it raises (and turns
+    it off, logged once), as :func:`guard` would. Timed as guard's when self-timing is on."""
+    def deco(fn):
+        return _timed(name, fn)
+    return deco
+
+
+def _timed(name: str, fn):
+    """``fn`` itself, or (TTFTSCOPE_SELF_TIMING) ``fn`` timed as hook ``name``."""
+    if not RT.config.self_timing_dir:
+        return fn
+    mine = RT.per_hook.setdefault(name, [0, 0.0])
+
+    @functools.wraps(fn)
+    def timed(*a, **kw):
+        # the hook's CPU (this thread's) and its wall time: the difference is time it waited
+        # for the GIL (another thread of this process running Python), not work of its own
+        c, t = time.thread_time(), time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            RT.hooks_wall_s += time.perf_counter() - t
+            cpu = time.thread_time() - c
+            RT.hooks_s += cpu
+            RT.hook_calls += 1
+            mine[0] += 1
+            mine[1] += cpu
+    return timed
 
 
 def span(name: str, start_s: float, end_s: float, attrs: dict, parent=None) -> None:
