@@ -148,6 +148,26 @@ def test_a_failing_step_hook_turns_the_step_hooks_off_and_never_reaches_vllm(mon
     assert not hasattr(out, "_ttftscope_step") and len(E.ST.log) == 1, "the step hooks stay off"
 
 
+def test_an_output_that_takes_no_attribute_goes_unstamped_and_the_step_is_still_kept():
+    """A scheduler output with slots (a future vLLM's) cannot carry the step number to the
+    workers: the step is bookkept all the same, and stamping is not tried again."""
+    from ttftscope.collector.vllm_plugin import engine as E
+
+    class Slotted:
+        __slots__ = ("scheduled_new_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens")
+
+        def __init__(self) -> None:
+            self.scheduled_new_reqs, self.num_scheduled_tokens, self.total_num_scheduled_tokens = [], {"a": 1}, 1
+
+    st = E.EngineState()
+    sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8)
+    for i in range(2):
+        out = Slotted()
+        E._on_schedule(st, sched, out, 1.0 + i, 1.001 + i)
+        E._on_step_done(st, sched, out, 1.010 + i, 1.012 + i)
+    assert st.stamp is False and st.step == 2 and len(st.log) == 2
+
+
 @pytest.mark.parametrize("name, collective", [
     ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>(vllm::RankData*, vllm::RankSignals, ...)", True),
     ("void vllm::cross_device_reduce_2stage<half, 8>(...)", True),  # vLLM's custom all-reduce (NVLink TP)

@@ -214,6 +214,7 @@ class EngineState:
     runs_lock: threading.Lock = field(default_factory=threading.Lock)  # decode_run and the folding
     decode_run: DecodeRun | None = None
     last_end: float = 0.0  # when the previous step's update_from_output returned
+    stamp: bool = True  # the scheduler's output takes our step number (for the workers' spans)
 
 
 ST = EngineState()
@@ -399,7 +400,11 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float, _id=id, _len
     progress) costs a counter and a tuple; a step with prefill work gathers its chunks' plain
     values (the spans are built on the export thread). Hot: its caller catches what it raises."""
     st.step = step = st.step + 1
-    out._ttftscope_step = step  # travels with the output to the workers
+    if st.stamp:  # the step travels with the output to the workers
+        try:
+            out._ttftscope_step = step
+        except (AttributeError, TypeError):  # an output that takes no attribute: steps go unstamped
+            st.stamp = False
     new = out.scheduled_new_reqs
     work = _prefill_work(st, sched, out, new) if new or st.chunks else None
     pending = st.pending
