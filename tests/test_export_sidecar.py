@@ -237,34 +237,15 @@ def test_prefix_hashes_handed_over_hash_as_they_would_here(n, big):
 def test_a_sidecar_still_posting_at_exit_finishes_on_its_own(monkeypatch):
     """The serving process waits only so long at exit (vLLM kills a child's whole tree when it
     lingers); a sidecar whose collector answers slowly is left to finish, and it does."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from support.http_stub import PostSink
 
-    got = []
-
-    class Slow(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            time.sleep(1.5)
-            got.append(body)
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with PostSink(delay_s=1.5) as sink:
         monkeypatch.setattr(handoff, "EXIT_WAIT_S", 0.2)
-        proc, tracer, ours, vllms = _pipeline(f"http://127.0.0.1:{srv.server_port}", "slow", True)
+        proc, tracer, ours, vllms = _pipeline(sink.url, "slow", True)
         ours.add("at-exit", T0, T0 + 1, {"marker": "left-to-finish"})
         proc.force_flush()  # the sidecar starts and takes the span
         sidecar = proc.link.proc
         proc.shutdown()
-        assert sidecar.poll() is None and not got, "the serving process left before the slow post came back"
+        assert sidecar.poll() is None and not sink.seen, "the serving process left before the slow post came back"
         assert sidecar.wait(30) == 0
-        assert len(got) == 1 and b"left-to-finish" in got[0]
-    finally:
-        srv.shutdown()
+        assert len(sink.seen) == 1 and b"left-to-finish" in sink.seen[0][1]

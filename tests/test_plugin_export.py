@@ -280,47 +280,24 @@ def test_poster_never_sends_a_request_twice_after_a_timeout():
     """A collector slower than the export timeout may still store the spans: the poster gives
     up (False) instead of sending them again (which stored every such batch twice), and a
     kept-alive connection the server closed is retried once on a fresh one."""
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    seen, slow = [], [False]
+    from support.http_stub import PostSink
 
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            seen.append(self.path)
-            if slow[0]:
-                time.sleep(1.0)
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            if self.path.endswith("close"):
-                self.send_header("Connection", "close")
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{srv.server_address[1]}"
-    try:
-        p = OtlpHttpPoster(base + "/v1/traces", timeout=0.3)
+    with PostSink(keep_alive=True) as sink:
+        p = OtlpHttpPoster(sink.url + "/v1/traces", timeout=0.3)
         assert p.export(b"")  # a kept-alive connection now
-        slow[0] = True
+        sink.delay_s = 1.0
         assert p.export(b"") is False
         time.sleep(2.5)
-        assert len(seen) == 2, "sent once, not again on a fresh connection after the timeout"
-        slow[0] = False
-        seen.clear()
-        p = OtlpHttpPoster(base + "/v1/traces", timeout=2)
-        assert p.export(b"") and p.export(b"") and seen == ["/v1/traces", "/v1/traces"], "one kept-alive connection"
+        assert len(sink.seen) == 2, "sent once, not again on a fresh connection after the timeout"
+        sink.delay_s = 0.0
+        sink.seen.clear()
+        p = OtlpHttpPoster(sink.url + "/v1/traces", timeout=2)
+        assert p.export(b"") and p.export(b"") and [path for path, _ in sink.seen] == ["/v1/traces", "/v1/traces"], \
+            "one kept-alive connection"
         p._conn.sock.shutdown(2)  # the server side goes away between two exports (as an idle timeout would)
-        assert p.export(b"") and len(seen) == 3, "a fresh connection, the request sent once"
-    finally:
-        srv.shutdown()
+        assert p.export(b"") and len(sink.seen) == 3, "a fresh connection, the request sent once"
 
 
 def test_batches_encoded_in_slices_arrive_whole(collector_factory, monkeypatch):
