@@ -395,7 +395,7 @@ def _cached_tokens(req, before: int, index: int) -> int:
 
 
 @hot("schedule")
-def _on_schedule(st: EngineState, sched, out, t0: float, t1: float, _id=id, _len=len) -> None:
+def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     """Runs on the engine loop every step: a decode-only step (no new request, no prefill in
     progress) costs a counter and a tuple; a step with prefill work gathers its chunks' plain
     values (the spans are built on the export thread). Hot: its caller catches what it raises."""
@@ -408,8 +408,8 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float, _id=id, _len
     new = out.scheduled_new_reqs
     work = _prefill_work(st, sched, out, new) if new or st.chunks else None
     pending = st.pending
-    pending[_id(out)] = (step, t0, t1, work, _len(sched.running), _len(sched.waiting))
-    if _len(pending) > 64:  # outputs that never came back (an aborted step): bounded
+    pending[id(out)] = (step, t0, t1, work, len(sched.running), len(sched.waiting))
+    if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 
 
@@ -462,12 +462,12 @@ def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float) 
 
 
 @hot("step")
-def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float, _id=id) -> None:
+def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None:
     """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
     its anatomy is schedule [t0, t1], execute [t1, t_u0] (the workers, and with async
     scheduling the wait for them), update [t_u0, t_u1], and the idle time since the
     previous step closed. Hot: its caller catches what it raises."""
-    p = st.pending.pop(_id(out), None)
+    p = st.pending.pop(id(out), None)
     prev_end = st.last_end
     st.last_end = t_u1
     if p is None:
