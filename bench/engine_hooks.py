@@ -112,7 +112,7 @@ def main() -> int:
             for r in new:  # vLLM's add_request and schedule() (their own work, in every mode)
                 reqs[r.request_id] = r
                 if hooked:
-                    on_add(st, r)
+                    on_add(r, clock())
             for rid, k in advance:
                 reqs[rid].num_computed_tokens += k
             sched.waiting = waiting

@@ -312,8 +312,8 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
         assert st.decode_run is None or st.decode_run.steps == i, "and only the fold merges it"
         drain()
     assert spans == [], "a run stays open while it grows"
-    E._on_add(st, req)  # r1 arrives (queued from now until step 11 schedules it)
-    queued_at = st.queued["cmpl-1-0-deadbeef"]
+    E._on_add(req, 1.95)  # r1 reaches the scheduler (queued from then until step 11 schedules it)
+    queued_at = 1.95
     step(2.0, {"cmpl-1-0-deadbeef": 100, "a": 1}, new=["cmpl-1-0-deadbeef"])  # step 11: a prefill chunk closes the run
     sched.max_num_running_reqs = 3  # every seat held by the three running
     step(2.1, {"a": 1, "b": 1}, waiting=2)  # step 12: somebody waits: a run of steps with requests waiting
@@ -342,6 +342,71 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     assert spans[0][1] == 1.0 and spans[0][2] == pytest.approx(1.0 + 9 * 0.018 + 0.013)
     assert (pre[Attr.STEP], pre[Attr.CHUNK], pre[Attr.TOKENS_COMPUTED], pre[Attr.REQUEST_ID]) == (11, 0, 100, "cmpl-1-0")
     assert alone[Attr.STEP] == 11 and alone[Attr.STEP_PREFILL_TOKENS] == 100 and alone[Attr.STEP_DECODE_TOKENS] == 1
+
+
+def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go_when_backed_up(monkeypatch):
+    """Unit level, the engine adapter's admission (real vLLM drives it in test_vllm_plugin.py):
+    add_request only stamps the request; its first schedule makes the intake span (the API
+    server's handoff -> the scheduler had it, with the input thread's share) and the queue span;
+    a request scheduled as new again (resumed after preemption) is not queued twice; a request
+    the sampler dropped makes none; with the export queue half full, the step's prompt is
+    hashed at once and let go."""
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.otel_setup import DeferredSpans, expand
+    from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, SpanName
+
+    q = DeferredSpans(tracer=None, max_queue=8)
+    monkeypatch.setattr(RT, "deferred", q)
+    st = E.EngineState()
+    on = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+
+    def req(i: int, flags: str = "01") -> NS:
+        r = NS(request_id=f"cmpl-{i}-0-deadbeef", external_req_id=f"cmpl-{i}-0", num_computed_tokens=0,
+               trace_headers={"traceparent": on[:-2] + flags, HANDOFF_HEADER: "9.5"}, num_prompt_tokens=100,
+               prompt_token_ids=list(range(100)), priority=2, prefill_stats=None)
+        setattr(r, E.RECEIVED, 9.8)  # the engine-input adapter's stamp
+        E._on_add(r, 10.0)
+        return r
+
+    sched = NS(requests={}, running=[], waiting=[], max_num_running_reqs=4, block_size=16)
+
+    def step(t: float, reqs) -> list[tuple]:
+        tokens = {r.request_id: 100 for r in reqs}
+        for r in reqs:
+            sched.requests[r.request_id] = r
+            r.num_computed_tokens = 100
+        out = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r.request_id) for r in reqs],
+                 total_num_scheduled_tokens=sum(tokens.values()))
+        E._on_schedule(st, sched, out, t, t + 0.001)
+        E._on_step_done(st, sched, out, t + 0.01, t + 0.011)
+        return [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
+
+    r1, dropped = req(1), req(2, "00")
+    spans = step(10.5, [r1, dropped])
+    kinds = sorted(s[0] for s in spans)
+    assert kinds == sorted([SpanName.INTAKE, SpanName.QUEUE, SpanName.PREFILL, SpanName.STEP]), kinds
+    intake = next(s for s in spans if s[0] == SpanName.INTAKE)
+    queue = next(s for s in spans if s[0] == SpanName.QUEUE)
+    assert intake[1:3] == (9.5, 10.0) and intake[3][Attr.INTAKE_IPC_NS] == pytest.approx(0.3e9)
+    assert queue[1:3] == (10.0, 10.5) and queue[3][Attr.REQUEST_ID] == "cmpl-1-0" and queue[3][Attr.PRIORITY] == "2"
+    r1.num_computed_tokens = 0  # preempted, then scheduled as new again
+    again = step(11.0, [r1])
+    assert sorted(s[0] for s in again) == sorted([SpanName.PREFILL, SpanName.STEP]), "queued once"
+
+    for _ in range(4):  # the collector down: the export queue half full
+        q.add("filler", 1.0, 2.0, {})
+    r3 = req(3)
+    step_out = NS(num_scheduled_tokens={r3.request_id: 100}, scheduled_new_reqs=[NS(req_id=r3.request_id)],
+                  total_num_scheduled_tokens=100)
+    sched.requests[r3.request_id] = r3
+    r3.num_computed_tokens = 100
+    E._on_schedule(st, sched, step_out, 12.0, 12.001)
+    E._on_step_done(st, sched, step_out, 12.01, 12.011)
+    held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][5][0]]
+    assert len(held) == 1 and held[0][6] is not None and held[0][6].toks == (), "hashed at once, the prompt let go"
 
 
 def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypatch):

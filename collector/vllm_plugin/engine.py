@@ -5,11 +5,12 @@ cold start (ready once the KV cache is allocated)."""
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import threading
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from ttftscope.schemas.phases import Phase
@@ -28,11 +29,9 @@ from .runtime import (
     RT,
     at_exit,
     ext_id_of,
-    group,
     guard,
     hot,
     log,
-    sampled,
     set_model,
     span,
     timing_floor,
@@ -45,18 +44,12 @@ _REQ = "vllm.v1.request"
 _INTAKE, _QUEUE, _PREFILL = Phase.INTAKE.value, Phase.QUEUE.value, Phase.PREFILL.value
 
 
-@dataclass(slots=True)
-class Chunk:
-    """One request's prompt tokens computed in one step."""
-
-    req_id: str
-    tokens: int
-    cached: int
-    index: int
-    trace_headers: dict
-    external_id: str | None  # the client's id when vLLM keeps it (else derived from req_id)
-    prefix_hash: PrefixHashes | None
-    block_size: int | None = None  # the KV-cache block (first chunk only): hits come in whole blocks
+#: one request's prompt tokens computed in one step (a tuple: made on the engine loop):
+#: (request id, tokens computed, tokens from the prefix cache (first chunk only), chunk index,
+#: trace headers, external id (the client's, when vLLM keeps it) or None, ``PrefixHashes`` of
+#: the prompt (first chunk only) or None, the KV-cache block size (first chunk only: hits come
+#: in whole blocks) or None)
+Chunk = tuple
 
 
 # Span attributes are built on the export thread (``DeferredSpans``' lazy ``(build, args)``):
@@ -73,12 +66,13 @@ def _queue_attrs(req_id: str, external: str | None, priority) -> dict:
     return {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _QUEUE, Attr.PRIORITY: str(priority)}
 
 
-def _prefill_attrs(c: Chunk, step: int, batch: int, engine: str, ph: PrefixHashes | None) -> dict:
-    attrs = {Attr.REQUEST_ID: ext_id_of(c.req_id, c.external_id), Attr.PHASE: _PREFILL, Attr.STEP: step,
-             Attr.CHUNK: c.index, Attr.TOKENS_COMPUTED: c.tokens, Attr.TOKENS_CACHED: c.cached,
+def _prefill_attrs(c: Chunk, step: int, batch: int, engine: str) -> dict:
+    req_id, tokens, cached, index, _th, external, ph, block_size = c
+    attrs = {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _PREFILL, Attr.STEP: step,
+             Attr.CHUNK: index, Attr.TOKENS_COMPUTED: tokens, Attr.TOKENS_CACHED: cached,
              Attr.BATCH_SIZE: batch, Attr.ENGINE: engine}
-    if c.block_size:
-        attrs[Attr.KV_BLOCK_SIZE] = c.block_size
+    if block_size:
+        attrs[Attr.KV_BLOCK_SIZE] = block_size
     if ph is not None:
         attrs[Attr.PREFIX_HASH] = ph
         attrs[Attr.PREFIX_CHAIN] = ph.chain
@@ -104,13 +98,17 @@ class PrefixHashes:
     holds more); when the export queue is backed up (the collector down), :meth:`freeze`
     computes them at once and lets the list go. Token ids hash the same in every process."""
 
-    __slots__ = ("toks", "chain", "_hashes")
+    __slots__ = ("toks", "_hashes")
 
     def __init__(self, toks) -> None:
         cap = PREFIX_BLOCK * PREFIX_MAX_BLOCKS
         self.toks = toks if len(toks) <= cap else toks[:cap]
         self._hashes: list[str] | None = None
-        self.chain = _ChainOf(self)
+
+    @property
+    def chain(self) -> _ChainOf:
+        """All the block hashes, joined when encoded (made off the engine loop, when asked)."""
+        return _ChainOf(self)
 
     def hashes(self) -> list[str]:
         if self._hashes is None:
@@ -203,11 +201,9 @@ RUN_SPLIT_IDLE_S = 0.002
 @dataclass
 class EngineState:
     step: int = 0
-    queued: OrderedDict[str, float] = field(default_factory=OrderedDict)
     pending: dict[int, PendingStep] = field(default_factory=dict)
     chunks: dict[str, int] = field(default_factory=dict)
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
-    lock: threading.Lock = field(default_factory=threading.Lock)  # queued: other threads touch it
     #: decode-only steps as the engine loop leaves them (``DecodeStep``; None: the open run ends
     #: there), folded into runs off the loop (:func:`fold_steps`: the step-flush thread, every 0.25 s)
     log: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG_MAX))
@@ -265,14 +261,20 @@ def _install_scheduler() -> None:
     S = sched.Scheduler
     orig_add, orig_schedule, orig_update = S.add_request, S.schedule, S.update_from_output
 
-    @functools.wraps(orig_add)
-    def add_request(self, request):
-        _on_add(ST, request)
-        return orig_add(self, request)
-
     floor = timing_floor if RT.config.self_timing_dir else None
     live = [True]  # the step hooks (hot: no guard of their own): off, logged once, if one raises
+    live_add = [True]  # the add hook, the same
     clock = time.time
+
+    @functools.wraps(orig_add)
+    def add_request(self, request):
+        if live_add[0]:
+            try:
+                _on_add(request, clock())
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server
+                live_add[0] = False
+                log.exception("ttftscope: hook add_request failed and is now disabled")
+        return orig_add(self, request)
 
     def broken(hook: str) -> None:
         live[0] = False
@@ -361,37 +363,16 @@ def _stamp_received(out, received: float) -> None:
     object.__setattr__(req, RECEIVED, received)
 
 
-@guard("add_request")
-def _on_add(st: EngineState, request) -> None:
-    th = request.trace_headers
-    if not sampled(th):
-        return
-    now = time.time()
-    with st.lock:
-        st.queued[request.request_id] = now
-        while len(st.queued) > 100_000:  # bounded even if requests vanish
-            st.queued.popitem(last=False)
-    sent = th.get(HANDOFF_HEADER)  # set by the API server's trace-context adapter
-    if sent is None:
-        return
-    sent = float(sent)  # intake: the API server's handoff -> the scheduler has it (IPC + engine loop wait)
-    if sent < now:
-        rx = getattr(request, RECEIVED, None)  # the input thread had it (engine-input adapter)
-        span(SpanName.INTAKE, sent, now, (_intake_attrs, (request.request_id, getattr(request, "external_req_id", None),
-                                                          rx - sent if rx is not None and sent <= rx <= now else None)),
-             th)
+#: the attribute the scheduler adapter leaves on vLLM's Request: when the scheduler had it (queued)
+QUEUED = "_ttftscope_queued"
 
 
-def _cached_tokens(req, before: int, index: int) -> int:
-    """Prompt tokens of this request that came from the prefix cache (first chunk only).
-    vLLM's own PrefillStats (set when the request is first scheduled) when present; else
-    what was already computed when the first chunk was scheduled (the cache hits)."""
-    if index:
-        return 0
-    ps = req.prefill_stats
-    if ps is not None and ps.num_prompt_tokens:
-        return ps.num_cached_tokens
-    return max(before, 0)
+@hot("add_request")
+def _on_add(request, now: float) -> None:
+    """A request reaches the scheduler: when, stamped on vLLM's Request (one attribute; the
+    intake and queue spans are made when it is first scheduled, from what it carries). Hot:
+    its caller catches what it raises."""
+    setattr(request, QUEUED, now)
 
 
 @hot("schedule")
@@ -413,46 +394,57 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
         del pending[next(iter(pending))]
 
 
+_REQ_ID = operator.attrgetter("req_id")
+
+
 def _prefill_work(st: EngineState, sched, out, new) -> tuple[list[Chunk], list[tuple]] | None:
-    """The prefill chunks of this step, and the queue waits of requests scheduled for the
-    first time ``(queued at, request id, external id, priority, trace headers)``; None when
-    there are neither. Only a new request, or one whose prefill is still in progress (in
-    ``st.chunks``), can compute prompt tokens: no Python per running request."""
-    chunks = []
+    """The prefill chunks of this step (``Chunk``), and the requests scheduled for the first
+    time ``(queued at, input thread had it or None, request id, external id, priority, trace
+    headers)``; None when there are neither. Only a new request, or one whose prefill is still
+    in progress (in ``st.chunks``), can compute prompt tokens: no Python per running request.
+    One loop with no calls of ours in it: on the engine loop every call is microseconds."""
+    chunks, queued = [], []
     ns = out.num_scheduled_tokens
     requests = sched.requests
-    for req_id in (dict.fromkeys([*(nr.req_id for nr in new), *st.chunks]) if st.chunks else
-                   [nr.req_id for nr in new]):
-        n = ns.get(req_id)
+    progress = st.chunks
+    ids = list(map(_REQ_ID, new))  # not a comprehension: its frame alone is microseconds on a cold loop
+    if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
+        seen = set(ids)
+        ids += [r for r in progress if r not in seen]
+    for req_id in ids:
         req = requests.get(req_id)
         if req is None:
-            st.chunks.pop(req_id, None)  # finished or aborted mid-prefill
+            progress.pop(req_id, None)  # finished or aborted mid-prefill
             continue
-        if n is None or not sampled(req.trace_headers):
+        th = req.trace_headers
+        tp = th.get("traceparent", "") if th else ""  # runtime.sampled, inlined
+        if len(tp) < 55 or tp[-2:] == "00":
+            continue
+        external = getattr(req, "external_req_id", None)
+        q = getattr(req, QUEUED, None)
+        if q is not None:  # its first schedule
+            setattr(req, QUEUED, None)
+            queued.append((q, getattr(req, RECEIVED, None), req_id, external, req.priority, th))
+        n = ns.get(req_id)
+        if n is None:
             continue
         before = req.num_computed_tokens - n  # schedule() already advanced it
-        if before < req.num_prompt_tokens:  # a prefill chunk
-            idx = st.chunks.get(req_id, 0)
-            if before + n < req.num_prompt_tokens:
-                st.chunks[req_id] = idx + 1
-            else:  # its last chunk
-                st.chunks.pop(req_id, None)
-            phash = None
-            if idx == 0:
-                toks = req.prompt_token_ids
-                if toks is not None and len(toks) >= PREFIX_BLOCK:
-                    phash = PrefixHashes(toks)  # hashed on the export thread, not on the engine loop
-            chunks.append(Chunk(req_id, n, _cached_tokens(req, before, idx), idx, req.trace_headers,
-                                getattr(req, "external_req_id", None), phash, sched.block_size if idx == 0 else None))
-    queued = []
-    if new:
-        with st.lock:
-            waited = [(nr.req_id, st.queued.pop(nr.req_id, None)) for nr in new]
-        for req_id, q in waited:
-            req = requests.get(req_id)
-            if q is not None and req is not None:
-                queued.append((q, req.request_id, getattr(req, "external_req_id", None), req.priority,
-                               req.trace_headers))
+        prompt = req.num_prompt_tokens
+        if before >= prompt:  # not prompt tokens
+            continue
+        idx = progress.get(req_id, 0)
+        if before + n < prompt:
+            progress[req_id] = idx + 1
+        elif idx:  # its last chunk
+            del progress[req_id]
+        if idx:
+            chunks.append((req_id, n, 0, idx, th, external, None, None))
+            continue
+        toks = req.prompt_token_ids
+        ps = req.prefill_stats  # cached: vLLM's own count when it has one, else what was computed before
+        chunks.append((req_id, n, ps.num_cached_tokens if ps is not None and ps.num_prompt_tokens else max(before, 0),
+                       0, th, external, PrefixHashes(toks) if toks is not None and len(toks) >= PREFIX_BLOCK else None,
+                       sched.block_size))
     return (chunks, queued) if chunks or queued else None
 
 
@@ -489,44 +481,41 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
 def _step_with_work(st: EngineState, sched, out, t_u0: float, t_u1: float, p: tuple, prev_end: float) -> None:
     """A step with prefill work or requests first scheduled: its spans, built on the export thread."""
     step, t0, t1, work, running, waiting = p
-    total = out.total_num_scheduled_tokens
     st.log.append(None)  # this step's spans stand alone: the open run ends before it
-    sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
-    idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
-    if any(c.prefix_hash is not None for c in work[0]) and _export_backed_up():
-        for c in work[0]:  # let the prompts go now: the queue may hold these spans a long time
-            if c.prefix_hash is not None:
-                c.prefix_hash.freeze()
-    group(_step_spans, (step, t0, t1, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting, total,
-                        st.engine, (sched_s, exec_s, upd_s, idle_s), sched.max_num_running_reqs if waiting else None))
+    d = RT.deferred  # runtime.group, inlined (a call is microseconds here)
+    if d is not None and d.group(_step_spans, (step, t0, t1, t_u0, t_u1, work, len(out.num_scheduled_tokens),
+                                               running, waiting, out.total_num_scheduled_tokens, st.engine,
+                                               prev_end, sched.max_num_running_reqs if waiting else None)):
+        for c in work[0]:  # the export queue is backed up: let the prompts go now, it may hold them a long time
+            if c[6] is not None:
+                c[6].freeze()
 
 
 def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work, batch: int, running: int,
-                waiting: int, total: int, engine: str, anatomy: tuple, max_num_seqs) -> list[tuple]:
-    """A step with prefill work or requests waiting, as spans (on the export thread): the
-    queue waits that ended at its schedule, its prefill chunks (execute: [t1, t_u0]), and the
-    step itself."""
+                waiting: int, total: int, engine: str, prev_end: float, max_num_seqs) -> list[tuple]:
+    """A step with prefill work or requests first scheduled, as spans (on the export thread):
+    the intake and queue waits of the requests it scheduled first (queue: from when the
+    scheduler had them to this schedule), its prefill chunks (execute: [t1, t_u0]), and the
+    step itself (its anatomy: schedule [t0, t1], execute, update [t_u0, t_u1], idle since
+    ``prev_end``)."""
     out = []
     chunks, queued = work or ((), ())
-    for q, req_id, external, priority, headers in queued:
+    for q, rx, req_id, external, priority, headers in queued:
+        sent = headers.get(HANDOFF_HEADER)  # the API server's handoff (its trace-context adapter)
+        if sent is not None and float(sent) < q:  # intake: handoff -> the scheduler has it (IPC + loop wait)
+            sent = float(sent)
+            out.append((SpanName.INTAKE, sent, q,
+                        _intake_attrs(req_id, external, rx - sent if rx is not None and sent <= rx <= q else None),
+                        headers))
         out.append((SpanName.QUEUE, q, t0, _queue_attrs(req_id, external, priority), headers))
     for c in chunks:
-        out.append((SpanName.PREFILL, t1, t_u0, _prefill_attrs(c, step, batch, engine, c.prefix_hash),
-                    c.trace_headers))
+        out.append((SpanName.PREFILL, t1, t_u0, _prefill_attrs(c, step, batch, engine), c[4]))
     if total:
-        prefill_tokens = sum(c.tokens for c in chunks)
+        prefill_tokens = sum(c[1] for c in chunks)
+        anatomy = (t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0, max(t0 - prev_end, 0.0) if prev_end else 0.0)
         out.append((SpanName.STEP, t0, t_u1, _step_attrs(step, prefill_tokens, total, running, waiting, batch, engine,
                                                           anatomy, max_num_seqs), None))
     return out
-
-
-def _export_backed_up() -> bool:
-    """The export queue is at least half full (the collector down or slow)."""
-    q = RT.deferred
-    try:
-        return len(q) * 2 >= q.max_queue
-    except (TypeError, AttributeError):  # no queue, or another kind of sink
-        return False
 
 
 def fold_steps(st: EngineState) -> None:
