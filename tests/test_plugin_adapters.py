@@ -418,12 +418,14 @@ def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypa
     import time
     from types import SimpleNamespace as NS
 
+    from ttftscope.collector.otel_setup import attributes
     from ttftscope.collector.vllm_plugin import http as H
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import Attr, SpanName
 
-    spans = []
-    monkeypatch.setattr(RT, "deferred", NS(add=lambda name, s, e, attrs, parent=None: spans.append((name, s, e, attrs))))
+    spans = []  # as the export thread sees them (attributes built)
+    monkeypatch.setattr(RT, "deferred", NS(add=lambda name, s, e, attrs, parent=None:
+                                           spans.append((name, s, e, attributes(attrs)))))
     monkeypatch.setattr(H, "RDV", H.Rendezvous())
     gap_s = 0.040
 

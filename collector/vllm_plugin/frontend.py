@@ -84,13 +84,17 @@ def _install_trace_context() -> None:
     serving.BaseServing._get_trace_headers = get_trace_headers
 
 
+#: the tokenize span's attributes: the same every time, never changed (one dict, not one a request)
+_TOKENIZE_ATTRS = {Attr.PHASE: Phase.TOKENIZE.value}
+
+
 @guard("tokenize")
 def _emit_tokenize(trace_headers) -> None:
     r = _RENDER.get()
     if r is None or not sampled(trace_headers):
         return
     _RENDER.set(None)
-    span(SpanName.TOKENIZE, r[0], r[1], {Attr.PHASE: Phase.TOKENIZE.value}, trace_headers)
+    span(SpanName.TOKENIZE, r[0], r[1], _TOKENIZE_ATTRS, trace_headers)
     emit_receive(r[0], trace_headers)
 
 

@@ -79,9 +79,30 @@ ACTIVE = [False]  # the middleware is installed: deliver ends at the bytes writt
 
 def emit_deliver(produced: float, handled: float, written: float, request_id: str, headers: dict) -> None:
     end = max(written, handled)
-    span(SpanName.DELIVER, min(produced, end), end,
-         {Attr.REQUEST_ID: request_id, Attr.PHASE: Phase.DELIVER.value,
-          Attr.DELIVER_HANDLED_NS: int(max(handled - min(produced, end), 0) * 1e9)}, headers)
+    start = min(produced, end)
+    span(SpanName.DELIVER, start, end, (_deliver_attrs, (request_id, handled - start)), headers)
+
+
+# Span attributes are built on the export thread (``DeferredSpans``' lazy ``(build, args)``):
+# the event loop that serves the clients keeps the plain values these take.
+
+def _deliver_attrs(request_id: str, handled_s: float) -> dict:
+    return {Attr.REQUEST_ID: request_id, Attr.PHASE: _DELIVER, Attr.DELIVER_HANDLED_NS: int(max(handled_s, 0) * 1e9)}
+
+
+def _http_attrs(stream: bool, path: str, status: int, rid: str, priority, text_wait_s: float, empty: int) -> dict:
+    attrs = {Attr.HTTP_STREAMING: stream, Attr.HTTP_ROUTE: path, Attr.HTTP_STATUS: status, Attr.REQUEST_ID: rid}
+    if priority:
+        attrs[Attr.PRIORITY] = priority
+    if text_wait_s > 0:
+        attrs[Attr.HTTP_TEXT_WAIT_NS] = int(text_wait_s * 1e9)
+        attrs[Attr.HTTP_TEXT_WAIT_TOKENS] = empty
+    return attrs
+
+
+_DELIVER = Phase.DELIVER.value
+#: the receive span's attributes: the same every time, never changed (one dict, not one a request)
+RECEIVE_ATTRS = {Attr.PHASE: Phase.RECEIVE.value}
 
 
 def trace_id_of(traceparent: str) -> str:
@@ -257,15 +278,10 @@ def _with_traceparent(scope) -> tuple[dict, str]:
 def _on_first_bytes(t_recv: float, t_written: float, tp: str, st: dict, path: str) -> None:
     if not sampled({"traceparent": tp}) or st["status"] != 200:
         return
-    headers = {"traceparent": tp}
-    attrs = {Attr.HTTP_STREAMING: st["stream"], Attr.HTTP_ROUTE: path,
-             Attr.HTTP_STATUS: st["status"], Attr.REQUEST_ID: st["rid"]}
-    if st["priority"]:
-        attrs[Attr.PRIORITY] = st["priority"]
-    if st["choice_at"] and st["choice_at"] < t_written:
-        attrs[Attr.HTTP_TEXT_WAIT_NS] = int((t_written - st["choice_at"]) * 1e9)
-        attrs[Attr.HTTP_TEXT_WAIT_TOKENS] = st["empty"]
-    span(SpanName.HTTP, t_recv, t_written, attrs, headers)
+    choice_at = st["choice_at"]
+    span(SpanName.HTTP, t_recv, t_written,
+         (_http_attrs, (st["stream"], path, st["status"], st["rid"], st["priority"],
+                        t_written - choice_at if choice_at else 0.0, st["empty"])), {"traceparent": tp})
     RDV.on_written(trace_id_of(tp), t_written)
 
 
@@ -300,4 +316,4 @@ def emit_receive(render_start: float, trace_headers) -> None:
     if h is None or not sampled(trace_headers):
         return
     if h[0] < render_start:
-        span(SpanName.RECEIVE, h[0], render_start, {Attr.PHASE: Phase.RECEIVE.value}, trace_headers)
+        span(SpanName.RECEIVE, h[0], render_start, RECEIVE_ATTRS, trace_headers)

@@ -94,13 +94,14 @@ def _install_request_span() -> None:
                         kind=SpanKind.SERVER)
     proc.add_source(src)
     RT.vllm_spans = src
-    scalars = (str, int, float, bool)
+    scalars = frozenset((str, int, float, bool))
     current_span = trace.get_current_span
 
     @guard("llm_request")
     def record(span_name, start_time, end_time, attributes, context) -> bool:
         sc = current_span(context).get_span_context()
-        if not sc.is_valid or (attributes and any(v.__class__ not in scalars for v in attributes.values())):
+        # every value a plain scalar (the types' set, in C: no Python per attribute)
+        if not sc.is_valid or (attributes and not scalars.issuperset(map(type, attributes.values()))):
             return False
         if sc.trace_flags.sampled:  # else the SDK's parent-based sampler drops it: so do we
             src.add(span_name, start_time / 1e9, (end_time or time.time_ns()) / 1e9, attributes or {}, context)
