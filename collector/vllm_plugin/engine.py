@@ -230,7 +230,6 @@ ST = EngineState()
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "NewRequestData.req_id", "attribute"),
-                    Internal(_REQ, "Request.request_id", "attribute"),
                     Internal(_REQ, "Request.trace_headers", "attribute"),
                     Internal(_REQ, "Request.num_computed_tokens", "attribute"),
                     Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
