@@ -175,18 +175,20 @@ class DeferredSpans:
         if len(self._q) >= self.max_batch and self.wake is not None:
             self.wake()
 
-    def group(self, build, args: tuple) -> bool:
-        """Several spans' records, made by ``build(*args)`` on the export thread. True when the
-        queue is at least half full (the collector down or slow): a caller whose ``args`` hold
-        big things may let them go now (one call: this runs on vLLM's engine loop)."""
+    def group(self, build, args: tuple, shed=None) -> None:
+        """Several spans' records, made by ``build(*args)`` on the export thread. ``shed``:
+        called with ``args`` before they are queued when the queue is at least half full (the
+        collector down or slow), to let big things in them go (one call on vLLM's engine loop
+        either way; before the append, so the export thread never sees them change)."""
         q = self._q
         if len(q) >= self.max_queue:
             self.dropped += 1
-            return True
+            return
+        if shed is not None and len(q) * 2 >= self.max_queue:
+            shed(args)
         q.append((None, 0.0, 0.0, (build, args), None))
         if len(q) == self.max_batch and self.wake is not None:
             self.wake()
-        return len(q) * 2 >= self.max_queue
 
     def _expanded(self, records: list[tuple], tick=None) -> list[tuple]:
         """:func:`expand`, one record at a time: a record whose attributes cannot be built is

@@ -392,6 +392,8 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     queue = next(s for s in spans if s[0] == SpanName.QUEUE)
     assert intake[1:3] == (9.5, 10.0) and intake[3][Attr.INTAKE_IPC_NS] == pytest.approx(0.3e9)
     assert queue[1:3] == (10.0, 10.5) and queue[3][Attr.REQUEST_ID] == "cmpl-1-0" and queue[3][Attr.PRIORITY] == "2"
+    prefill = next(s for s in spans if s[0] == SpanName.PREFILL)
+    assert len(prefill[3][Attr.PREFIX_HASH].toks) == 100, "not hashed on the engine loop while the queue has room"
     r1.num_computed_tokens = 0  # preempted, then scheduled as new again
     again = step(11.0, [r1])
     assert sorted(s[0] for s in again) == sorted([SpanName.PREFILL, SpanName.STEP]), "queued once"

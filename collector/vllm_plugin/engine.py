@@ -483,13 +483,19 @@ def _step_with_work(st: EngineState, sched, out, t_u0: float, t_u1: float, p: tu
     """A step with prefill work or requests first scheduled: its spans, built on the export thread."""
     step, t0, t1, work, running, waiting = p
     st.log.append(None)  # this step's spans stand alone: the open run ends before it
-    d = RT.deferred  # runtime.group, inlined (a call is microseconds here)
-    if d is not None and d.group(_step_spans, (step, t0, t1, t_u0, t_u1, work, len(out.num_scheduled_tokens),
-                                               running, waiting, out.total_num_scheduled_tokens, st.engine,
-                                               prev_end, sched.max_num_running_reqs if waiting else None)):
-        for c in work[0]:  # the export queue is backed up: let the prompts go now, it may hold them a long time
-            if c[6] is not None:
-                c[6].freeze()
+    d = RT.deferred  # several spans in one record: DeferredSpans.group
+    if d is not None:
+        d.group(_step_spans, (step, t0, t1, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting,
+                              out.total_num_scheduled_tokens, st.engine, prev_end,
+                              sched.max_num_running_reqs if waiting else None), _let_prompts_go)
+
+
+def _let_prompts_go(args: tuple) -> None:
+    """The export queue is backed up (it may hold a step's spans a long time): its prompts'
+    prefix hashes computed now and the prompts let go (before the spans are queued)."""
+    for c in args[5][0]:
+        if c[6] is not None:
+            c[6].freeze()
 
 
 def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work, batch: int, running: int,

@@ -115,14 +115,6 @@ def timing_floor(*_a) -> None:
     is a system call), so a report can subtract it."""
 
 
-def group(build, args: tuple) -> None:
-    """Record several finished spans at once: ``build(*args)`` makes their records on the
-    export thread (one append here)."""
-    d = RT.deferred
-    if d is not None:
-        d.group(build, args)
-
-
 def sampled(trace_headers) -> bool:
     tp = (trace_headers or {}).get("traceparent", "")
     return len(tp) >= 55 and tp[-2:] != "00"
