@@ -411,6 +411,34 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     assert len(held) == 1 and held[0][6] is not None and held[0][6].toks == (), "hashed at once, the prompt let go"
 
 
+def test_the_first_tokens_time_follows_a_step_of_the_wall_clock(monkeypatch):
+    """vLLM stamps the first token on the monotonic clock; the deliver span starts there, on the
+    wall clock. The wall clock can step after vLLM started (NTP, a VM's clock sync: 132 ms seen in
+    one slow-tier run here, every deliver span then starting before its request arrived): the
+    conversion must use the offset of now, not the one at start-up."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.otel_setup import attributes
+    from ttftscope.collector.vllm_plugin import frontend as F
+    from ttftscope.collector.vllm_plugin import http as H
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from ttftscope.schemas.vocabulary import SpanName
+
+    spans = []
+    monkeypatch.setattr(RT, "deferred", NS(add=lambda name, s, e, attrs, parent=None:
+                                           spans.append((name, s, e, attributes(attrs)))))
+    monkeypatch.setattr(H, "ACTIVE", [False])  # no middleware: deliver ends when the output was handled
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 0.132)  # the wall clock stepped 132 ms forward
+    now = time.time()
+    stats = NS(first_token_ts=time.monotonic() - 0.010, arrival_time=now - 0.030, first_token_latency=0.025)
+    out = NS(trace_headers={"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})
+    F._emit_output(out, NS(stats=stats, external_req_id="cmpl-9"))
+    (deliver,) = [s for s in spans if s[0] == SpanName.DELIVER]
+    assert abs(deliver[1] - (now - 0.010)) < 0.002, (deliver[1] - now, "produced 10 ms ago, on today's wall clock")
+
+
 def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypatch):
     """Unit level, the ASGI middleware on a small app standing in for vLLM's streaming route
     (real vLLM drives it in tests/truth/test_client_ttft.py): the first chunk carries a token that decodes

@@ -12,7 +12,7 @@ from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, SpanName
 
 from .adapters import FRONTEND, Internal, adapter
 from .http import ACTIVE, RDV, emit_deliver, emit_receive, trace_id_of
-from .runtime import MONO_TO_WALL, RT, guard, log, new_traceparent, sampled, span
+from .runtime import RT, guard, log, mono_to_wall, new_traceparent, sampled, span
 
 _RENDER: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("ttftscope_render", default=None)
 
@@ -130,7 +130,7 @@ def _emit_output(engine_core_output, req_state) -> None:
     m = req_state.stats
     if not m.first_token_ts:
         return
-    produced = m.first_token_ts + MONO_TO_WALL  # engine clock (monotonic) -> wall, same host
+    produced = m.first_token_ts + mono_to_wall()  # engine clock (monotonic) -> wall, same host
     handled = m.arrival_time + m.first_token_latency  # the output processor had it: vLLM's TTFT ends
     if ACTIVE[0]:  # the client-TTFT middleware knows when the bytes were written
         RDV.on_produced(trace_id_of(th.get("traceparent", "")), produced, handled, req_state.external_req_id, th)

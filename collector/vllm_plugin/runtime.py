@@ -21,7 +21,12 @@ from .config import PluginConfig
 
 log = logging.getLogger("vllm.ttftscope")
 
-MONO_TO_WALL = time.time() - time.monotonic()  # engine timestamps are monotonic; same host
+
+def mono_to_wall() -> float:
+    """The offset from the monotonic clock (vLLM's engine timestamps; one clock for every process
+    on a host) to the wall clock, read now: one taken at start-up is off by every step of the wall
+    clock since (NTP, a VM's clock sync; 132 ms in one run on this VM)."""
+    return time.time() - time.monotonic()
 
 
 @dataclass
