@@ -32,6 +32,7 @@ from .runtime import (
     guard,
     hot,
     log,
+    sampled,
     set_model,
     span,
     timing_floor,
@@ -264,17 +265,11 @@ def _install_scheduler() -> None:
 
     floor = timing_floor if RT.config.self_timing_dir else None
     live = [True]  # the step hooks (hot: no guard of their own): off, logged once, if one raises
-    live_add = [True]  # the add hook, the same
     clock = time.time
 
     @functools.wraps(orig_add)
     def add_request(self, request):
-        if live_add[0]:
-            try:
-                _on_add(request, clock())
-            except Exception:  # noqa: BLE001 - never let tracing hurt the server
-                live_add[0] = False
-                log.exception("ttftscope: hook add_request failed and is now disabled")
+        _on_add(request, clock())
         return orig_add(self, request)
 
     def broken(hook: str) -> None:
@@ -368,11 +363,10 @@ def _stamp_received(out, received: float) -> None:
 QUEUED = "_ttftscope_queued"
 
 
-@hot("add_request")
+@guard("add_request")
 def _on_add(request, now: float) -> None:
     """A request reaches the scheduler: when, stamped on vLLM's Request (one attribute; the
-    intake and queue spans are made when it is first scheduled, from what it carries). Hot:
-    its caller catches what it raises."""
+    intake and queue spans are made when it is first scheduled, from what it carries)."""
     setattr(request, QUEUED, now)
 
 
@@ -403,12 +397,12 @@ def _prefill_work(st: EngineState, sched, out, new) -> tuple[list[Chunk], list[t
     time ``(queued at, input thread had it or None, request id, external id, priority, trace
     headers)``; None when there are neither. Only a new request, or one whose prefill is still
     in progress (in ``st.chunks``), can compute prompt tokens: no Python per running request.
-    One loop with no calls of ours in it: on the engine loop every call is microseconds."""
+    One loop, calling nothing of ours but ``sampled`` (per new request, not per step)."""
     chunks, queued = [], []
     ns = out.num_scheduled_tokens
     requests = sched.requests
     progress = st.chunks
-    ids = list(map(_REQ_ID, new))  # not a comprehension: its frame alone is microseconds on a cold loop
+    ids = list(map(_REQ_ID, new))  # (a comprehension would be a frame of its own, per step with new requests)
     if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
         seen = set(ids)
         ids += [r for r in progress if r not in seen]
@@ -418,8 +412,7 @@ def _prefill_work(st: EngineState, sched, out, new) -> tuple[list[Chunk], list[t
             progress.pop(req_id, None)  # finished or aborted mid-prefill
             continue
         th = req.trace_headers
-        tp = th.get("traceparent", "") if th else ""  # runtime.sampled, inlined
-        if len(tp) < 55 or tp[-2:] == "00":
+        if not sampled(th):
             continue
         external = getattr(req, "external_req_id", None)
         q = getattr(req, QUEUED, None)
@@ -508,9 +501,8 @@ def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work,
     out = []
     chunks, queued = work or ((), ())
     for q, rx, req_id, external, priority, headers in queued:
-        sent = headers.get(HANDOFF_HEADER)  # the API server's handoff (its trace-context adapter)
-        if sent is not None and float(sent) < q:  # intake: handoff -> the scheduler has it (IPC + loop wait)
-            sent = float(sent)
+        sent = float(headers.get(HANDOFF_HEADER) or "inf")  # the API server's handoff (trace-context adapter)
+        if sent < q:  # intake: handoff -> the scheduler has it (IPC + loop wait)
             out.append((SpanName.INTAKE, sent, q,
                         _intake_attrs(req_id, external, rx - sent if rx is not None and sent <= rx <= q else None),
                         headers))
