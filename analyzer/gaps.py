@@ -35,16 +35,20 @@ def request_gaps(df: pl.DataFrame) -> dict:
 
 def step_gaps(store, window: Window) -> pl.DataFrame:
     """Every engine step in the window with the end of the step before it on the same engine:
-    ``engine, st, en, waiting, prev_en, idle`` (ns; the first step of each engine left out).
-    The one step query that :func:`engine_bubbles` and :func:`bubble_delays` share (the
-    report computes it once, on its :class:`~.findings.Context`)."""
+    ``engine, st, en, waiting, prev_en, idle, observed`` (ns; the first step of each engine left
+    out). A stretch of quiet steps the plugin did not watch one by one (its ``unobserved`` span,
+    TTFTSCOPE_QUIET_STEPS) is on the timeline as a row with ``observed`` false: the engine was
+    stepping there, so the time it covers is no idle gap. The one step query that
+    :func:`engine_bubbles` and :func:`bubble_delays` share (the report computes it once, on its
+    :class:`~.findings.Context`)."""
     return store.query(f"""
-        SELECT engine, st, en, waiting, prev_en, st - prev_en AS idle FROM (
+        SELECT engine, st, en, waiting, prev_en, st - prev_en AS idle, observed FROM (
           SELECT SpanAttributes['{Attr.ENGINE}'] AS engine, toUnixTimestamp64Nano(Timestamp) AS st,
                  st + toInt64(Duration) AS en, toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) AS waiting,
+                 SpanName = '{SpanName.STEP}' AS observed,
                  lagInFrame(en, 1, toInt64(0)) OVER (PARTITION BY engine ORDER BY st
                      ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS prev_en
-          FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()})
+          FROM otel_traces WHERE SpanName IN ('{SpanName.STEP}', '{SpanName.UNOBSERVED}') AND {Window.time_filter()})
         WHERE prev_en > 0""", window.params())
 
 
@@ -55,8 +59,9 @@ def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 1
     df = step_gaps(store, window) if steps is None else steps
     if df.height == 0:
         return {"steps": 0, "bubbles": 0, "idle_ms": 0.0, "busy_ms": 0.0, "idle_share": 0.0, "top": []}
-    busy = float((df["en"] - df["st"]).sum())
-    b = df.filter((pl.col("idle") > int(min_idle_ms * 1e6)) & (pl.col("waiting") > 0))
+    seen = df.filter(pl.col("observed").cast(pl.Boolean))
+    busy = float((seen["en"] - seen["st"]).sum())  # the steps watched (an unobserved stretch may hold idle time)
+    b = seen.filter((pl.col("idle") > int(min_idle_ms * 1e6)) & (pl.col("waiting") > 0))
     idle = float(b["idle"].sum()) if b.height else 0.0
     tops = []
     for r in b.sort("idle", descending=True).head(top).iter_rows(named=True):
@@ -68,7 +73,7 @@ def engine_bubbles(store, window: Window, min_idle_ms: float = 2.0, top: int = 1
             {"s": int(r["prev_en"]), "e": int(r["st"])})
         tops.append({"engine": r["engine"], "start_ns": int(r["prev_en"]), "idle_ms": r["idle"] / 1e6,
                      "waiting": int(r["waiting"]), "delayed_requests": delayed.to_dicts()})
-    return {"steps": df.height, "bubbles": b.height, "idle_ms": idle / 1e6, "busy_ms": busy / 1e6,
+    return {"steps": seen.height, "bubbles": b.height, "idle_ms": idle / 1e6, "busy_ms": busy / 1e6,
             "idle_share": idle / (idle + busy) if busy else 0.0, "top": tops}
 
 

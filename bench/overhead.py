@@ -23,6 +23,8 @@ engine core. The plugin's export sidecars (collector.handoff: children of vLLM's
 that build, encode and post the spans) are reported on a row of their own, and with vLLM's.
 
 Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-dir DIR] [--rate 20]
+       [--output-len 16]. The plugin as it was before quiet steps were sampled (every engine step
+       watched): TTFTSCOPE_QUIET_STEPS=all in the environment.
 """
 
 from __future__ import annotations
@@ -193,10 +195,14 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0)
     ap.add_argument("--modes", default="none,vllm,plugin,sink",
                     help="which of none,vllm,plugin,sink to run (none and plugin at least)")
+    ap.add_argument("--output-len", type=int, default=16,
+                    help="mean output tokens per request (uniform within +-50%%; default 16): longer outputs, more "
+                         "decode steps per request")
     ap.add_argument("--collector-dir", type=Path, default=Path("/dev/shm"),
                     help="where the collector keeps its spool and store (default: tmpfs)")
     a = ap.parse_args()
-    profile = Profile(num_prompts=a.num_prompts, request_rate=a.rate, input_len=256, output_len=16, range_ratio=0.5)
+    profile = Profile(num_prompts=a.num_prompts, request_rate=a.rate, input_len=256, output_len=a.output_len,
+                      range_ratio=0.5)
     modes = [m for m in ("none", "vllm", "plugin", "sink") if m in a.modes.split(",")]
     if "plugin" not in modes:
         ap.error("--modes needs plugin (and none for the comparisons)")

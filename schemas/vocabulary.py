@@ -32,6 +32,9 @@ class SpanName:
     ALLREDUCE = f"{PREFIX}.allreduce"  # per worker rank and step (aggregated calls)
     ALLREDUCE_CALL = f"{PREFIX}.allreduce.call"  # one sampled collective
     STEP = f"{PREFIX}.step"  # one engine step (engine core / worker)
+    #: engine steps not observed one by one: quiet decode between samples (TTFTSCOPE_QUIET_STEPS);
+    #: it keeps the engine's timeline whole (no false idle gap where steps ran unwatched)
+    UNOBSERVED = f"{PREFIX}.step.unobserved"
     LOAD = f"{PREFIX}.load"  # a loading sub-phase not covered by vLLM's spans
     PROCESS_START = f"{PREFIX}.process"  # process start -> ready (cold start)
     LOADTEST = f"{PREFIX}.loadtest"  # one `ttftscope run` / sweep point, with the benchmark's numbers

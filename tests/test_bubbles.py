@@ -50,3 +50,29 @@ def test_idle_between_steps_counts_inside_each_requests_wait_only(tmp_path):
     st.insert_spans(pa.concat_tables([_spans(steps), _spans(reqs, ipc)]), "p")
     got = dict(bubble_delays(st, Window(T0 - 10**9, T0 + 10**9)).iter_rows())
     assert got == {"a": 20 * MS, "b": 8 * MS, "d": 18 * MS}, got
+
+
+def test_a_stretch_of_unwatched_quiet_steps_is_no_bubble_and_the_idle_after_it_is(tmp_path):
+    """The plugin watches a sample of quiet decode steps (TTFTSCOPE_QUIET_STEPS); the steps it
+    did not watch are one ``unobserved`` span. A request that reached the engine core's input
+    thread inside that stretch waited for the engine stepping, not idle: no bubble there; the
+    engine loop's pause after the stretch is one, from the stretch's end. Without the stretch on
+    the timeline the same request would be charged the whole stretch (checked: the same spans
+    with the unobserved one left out)."""
+    from ttftscope.analyzer.gaps import engine_bubbles
+
+    steps = [(SpanName.STEP, "s0", 0, 4), (SpanName.UNOBSERVED, "u", 4, 40), (SpanName.STEP, "s1", 50, 4)]
+    # the input thread had it at 30 ms (sent at 29), mid-stretch; the stretch ended at 44, the loop
+    # paused until 50 (a 6 ms bubble inside its wait), prefilled in the step at 50
+    reqs = [(SpanName.INTAKE, "r", 29, 21), (SpanName.QUEUE, "r", 50, 0), (SpanName.PREFILL, "r", 50, 4)]
+    ipc = np.array([MS if r[0] == SpanName.INTAKE else 0 for r in reqs])
+    w = Window(T0 - 10**9, T0 + 10**9)
+    got = {}
+    for name, kept in (("whole", steps), ("without the stretch", [s for s in steps if s[0] != SpanName.UNOBSERVED])):
+        st = open_store(str(tmp_path / name))
+        st.insert_spans(pa.concat_tables([_spans(kept), _spans(reqs, ipc)]), "p")
+        got[name] = dict(bubble_delays(st, w).iter_rows())
+        if name == "whole":
+            b = engine_bubbles(st, w)
+            assert b["steps"] == 1 and b["busy_ms"] == 4.0, b  # (the first step has no gap before it) the stretch is no busy step
+    assert got == {"whole": {"r": 6 * MS}, "without the stretch": {"r": 20 * MS}}, got

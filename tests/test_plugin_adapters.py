@@ -233,6 +233,10 @@ def test_config_honours_the_standard_otel_variables():
     assert PluginConfig.from_env({"TTFTSCOPE_DISABLE": "output, scheduler"}).disabled == {"output", "scheduler"}
     assert PluginConfig.from_env({}).export_process, "the export sidecar is the default"
     assert not PluginConfig.from_env({"TTFTSCOPE_EXPORT_PROCESS": "0"}).export_process
+    quiet = [PluginConfig.from_env(e).quiet_steps for e in ({}, {"TTFTSCOPE_QUIET_STEPS": "all"},
+                                                            {"TTFTSCOPE_QUIET_STEPS": "5"}, {"TTFTSCOPE_QUIET_STEPS": "-3"},
+                                                            {"TTFTSCOPE_QUIET_STEPS": "junk"})]
+    assert quiet == [2, None, 5, 0, 2], quiet
 
 
 def _doctor(*args, env=None):
@@ -528,3 +532,120 @@ def test_prefix_hashes_are_the_same_lazy_or_frozen_and_hold_a_bounded_prompt():
     long = PrefixHashes(list(range(10_000)))
     assert len(long.toks) == PREFIX_BLOCK * PREFIX_MAX_BLOCKS
     assert len(str(long.chain).split(",")) == PREFIX_MAX_BLOCKS
+
+
+@pytest.mark.parametrize("eager_tp2", [False, True])
+def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_timeline_whole(monkeypatch, eager_tp2):
+    """Decode-only steps with nobody waiting and no prefill in progress cannot delay a first
+    token: after TTFTSCOPE_QUIET_STEPS of them the scheduler rests (vLLM's own methods run, bound
+    on the instance: no hook of ours per step) until a request reaches the engine core's input
+    thread or the next sample is due. The stretch not watched is one ``unobserved`` span from the
+    last watched step's end to the end of the step in progress when it woke (or to the wake-up,
+    woken between steps), so the engine's timeline has no false idle gap where it stepped
+    unwatched. Where the workers number their steps (an eager model with TP 2), every step is
+    watched. Driven through the installed wrappers on a Scheduler instance, as vLLM calls them."""
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.otel_setup import DeferredSpans, expand
+    from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from ttftscope.schemas.vocabulary import SpanName
+    from vllm.config.compilation import CompilationMode
+    from vllm.v1.core.sched import scheduler as sched_mod
+    from vllm.v1.engine import core
+
+    S = sched_mod.Scheduler
+    calls = {"schedule": 0, "update": 0}
+    admit = []  # a request for the next schedule() to take
+
+    def schedule(self, *a, **kw):  # vLLM's methods, standing in (no engine here)
+        calls["schedule"] += 1
+        tokens = {"a": 1, "b": 1}
+        new = [NS(req_id=r.request_id) for r in admit]
+        for r in admit:
+            tokens[r.request_id] = r.num_prompt_tokens
+            r.num_computed_tokens = r.num_prompt_tokens
+        admit.clear()
+        return NS(scheduled_new_reqs=new, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()))
+
+    def update(self, scheduler_output, *a, **kw):
+        calls["update"] += 1
+        return "updated"
+
+    for name, fn in (("add_request", lambda self, r: None), ("schedule", schedule), ("update_from_output", update)):
+        monkeypatch.setattr(S, name, fn)
+    monkeypatch.setattr(core.EngineCore, "preprocess_add_request", lambda self, request: (request, 0))
+    monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, quiet_steps=2, profile_every=0))
+    monkeypatch.setattr(RT, "deferred", DeferredSpans(tracer=None))
+    monkeypatch.setattr(E, "ST", E.EngineState())
+    sample = E.sample_quiet
+    monkeypatch.setattr(E, "sample_quiet", lambda *a: None)  # the step-flush thread's ticks: called here instead
+    E._install_scheduler()
+    E._install_engine_input()
+    me = S.__new__(S)  # a Scheduler instance with the attributes the hooks read
+    mode = CompilationMode.NONE if eager_tp2 else CompilationMode.VLLM_COMPILE
+    me.__dict__.update(running=[1, 2], waiting=[], max_num_running_reqs=8, requests={}, block_size=16,
+                       vllm_config=NS(compilation_config=NS(mode=mode, cudagraph_mode=None),
+                                      parallel_config=NS(tensor_parallel_size=2 if eager_tp2 else 1)))
+    st = E.ST
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            assert me.update_from_output(me.schedule()) == "updated", "vLLM's result, watched or not"
+
+    steps(6)
+    assert calls == {"schedule": 6, "update": 6}
+    if eager_tp2:
+        assert st.step == 6 and not st.resting and "schedule" not in vars(me), "every step watched"
+        return
+    assert st.step == 2 and st.resting, "two quiet steps watched, then the scheduler rests"
+    assert vars(me)["schedule"].__func__ is schedule, "vLLM's own method runs, not a wrapper of ours"
+    rested_from = st.gap_from
+    # a request reaches the engine core's input thread while a step is in progress
+    out = me.schedule()
+    woke = E.time.time()
+    core.EngineCore.preprocess_add_request(object(), NS())
+    assert not st.resting and "schedule" not in vars(me)
+    me.update_from_output(out)  # this step's end closes the unobserved stretch
+    stretch_end = st.last_end
+    assert stretch_end >= woke and st.step == 2
+    me.waiting = [9]  # somebody waits: every step watched, whatever the sample says
+    steps(3)
+    assert st.step == 5 and not st.resting
+    me.waiting = []
+    steps(3)  # quiet again, the sample already used: one step, then rest
+    assert st.step == 6 and st.resting
+    between = E.time.time()
+    sample(st, 2)  # the next sample is due (woken between steps)
+    steps(4)
+    assert st.step == 8 and st.resting
+    # a request reaches the scheduler (between steps): watched from its schedule; once its prompt
+    # is in and nobody waits, the scheduler rests at once (the sample is used up)
+    tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
+    req = NS(request_id="cmpl-7-0-deadbeef", external_req_id="cmpl-7-0", trace_headers=tp, num_computed_tokens=0,
+             num_prompt_tokens=4, prompt_token_ids=[1, 2, 3, 4], priority=0, prefill_stats=None)
+    me.requests[req.request_id] = req
+    E._on_add(req, E.time.time())
+    assert not st.resting
+    admit.append(req)
+    steps(3)
+    assert st.step == 9 and st.resting, "the step admitting it watched, the quiet ones after it not"
+    assert calls == {"schedule": 20, "update": 20}
+    with st.runs_lock:
+        E.fold_steps(st)
+    got = sorted(((r[0], r[1], r[2]) for r in expand(RT.deferred.take(len(RT.deferred)))), key=lambda r: r[1])
+    assert {n for n, _, _ in got} - {SpanName.STEP, SpanName.UNOBSERVED} == {SpanName.QUEUE, SpanName.PREFILL}
+    got = [g for g in got if g[0] in (SpanName.STEP, SpanName.UNOBSERVED)]
+    names = [n for n, _, _ in got]
+    # the first sample's run, unwatched, the steps with somebody waiting, the quiet one after them,
+    # unwatched, the next sample's run, unwatched, the step admitting the request (the rest after
+    # it is still open)
+    assert names == [SpanName.STEP, SpanName.UNOBSERVED, SpanName.STEP, SpanName.STEP, SpanName.UNOBSERVED,
+                     SpanName.STEP, SpanName.UNOBSERVED, SpanName.STEP], names
+    first_run, gap1, _, quiet, gap2, sampled, gap3, admitted = got
+    assert gap1[1] == rested_from == first_run[2], "the stretch starts where the last watched step ended"
+    assert gap1[2] == stretch_end, "and ends with the step in progress when a request came"
+    assert gap2[1] == quiet[2] and between <= gap2[2] <= sampled[1], "woken between steps: to the wake-up"
+    assert gap3[1] == sampled[2] and gap3[2] <= admitted[1]
+    for a, b in zip(got, got[1:], strict=False):
+        assert b[1] >= a[2] - 1e-9, ("spans in order, none overlapping", a, b)

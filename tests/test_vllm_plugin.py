@@ -125,6 +125,27 @@ def test_engine_steps_and_startup_spans(tp1):
     assert max(int(s["p"]) for s in steps) == 128, "prefill tokens per step capped by --max-num-batched-tokens"
 
 
+def test_quiet_steps_go_unwatched_and_the_engine_timeline_stays_whole(tp1):
+    """vLLM's defaults and the plugin's (TTFTSCOPE_QUIET_STEPS=2): of the engine's steps (vLLM's
+    own count, ``vllm:iteration_tokens_total``), the plugin watched fewer: quiet decode steps
+    between samples ran with no hook of ours. The stretches it did not watch are
+    ``unobserved`` spans that fit between the steps it watched: on the engine's timeline no two
+    overlap (one is allowed, for a step of this VM's wall clock, as seen in a slow-tier run)."""
+    store, _, _, witness = tp1
+    rows = ttftscope_sql(store, """
+        SELECT SpanName AS name, toUnixTimestamp64Nano(Timestamp) AS st, st + toInt64(Duration) AS en,
+               greatest(toUInt64OrZero(SpanAttributes['ttftscope.step.count']), 1) AS n,
+               SpanAttributes['ttftscope.engine'] AS engine
+        FROM otel_traces WHERE SpanName IN ('ttftscope.step', 'ttftscope.step.unobserved') ORDER BY engine, st""")
+    watched = sum(int(r["n"]) for r in rows if r["name"] == "ttftscope.step")
+    stretches = [r for r in rows if r["name"] == "ttftscope.step.unobserved"]
+    steps = witness["vllm:iteration_tokens_total_count"]
+    print(f"vLLM's steps {steps:.0f}, watched {watched}, unobserved stretches {len(stretches)}")
+    assert stretches and watched < steps, (watched, steps, len(stretches))
+    overlaps = [(a, b) for a, b in zip(rows, rows[1:], strict=False) if a["engine"] == b["engine"] and b["st"] < a["en"]]
+    assert len(overlaps) <= 1, overlaps[:3]
+
+
 def test_every_adapter_is_active_in_a_compiled_server(tp1):
     """vLLM's default (compiled) start-up with the plugin: every adapter of every role
     passed its check of vLLM's internals and was installed; nothing was disabled."""

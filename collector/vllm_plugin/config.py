@@ -83,6 +83,12 @@ class PluginConfig:
     #: TTFTSCOPE_EXPORT_PROCESS: hand the records to an export sidecar process that builds, encodes
     #: and posts them (``collector.handoff``), not the serving process's export thread
     export_process: bool = True
+    #: TTFTSCOPE_QUIET_STEPS: of the engine's quiet steps (decode only, nobody waiting, no prefill in
+    #: progress: steps that cannot delay a first token), how many are observed one by one per
+    #: quarter second; between those samples the scheduler runs unwrapped (no Python of ours per
+    #: step) and the stretch is one ``unobserved`` span. ``all``: every step observed (as always
+    #: when the workers number their steps: an eager model with TP > 1, or profiler windows)
+    quiet_steps: int | None = 2
     #: adapters switched off by name (TTFTSCOPE_DISABLE=a,b)
     disabled: frozenset[str] = field(default_factory=frozenset)
 
@@ -94,6 +100,11 @@ class PluginConfig:
             profile_every = max(int(env.get("TTFTSCOPE_PROFILE_EVERY", "0")), 0)
         except ValueError:
             profile_every = 0
+        quiet = env.get("TTFTSCOPE_QUIET_STEPS", "2").strip().lower()
+        try:
+            quiet_steps = None if quiet == "all" else max(int(quiet), 0)
+        except ValueError:
+            quiet_steps = 2
         return cls(
             enabled=env.get("TTFTSCOPE_ENABLED", "1").strip().lower() not in _OFF,
             endpoint=_endpoint(env),
@@ -101,6 +112,7 @@ class PluginConfig:
             sample_source=source,
             run=env.get("TTFTSCOPE_RUN") or None,
             profile_every=profile_every,
+            quiet_steps=quiet_steps,
             self_timing_dir=env.get("TTFTSCOPE_SELF_TIMING") or None,
             max_queue=int(_float(env, "OTEL_BSP_MAX_QUEUE_SIZE", 8192, 64)),
             max_batch=int(_float(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, 1)),

@@ -1,6 +1,11 @@
 """Engine-core adapters: ``queue`` (queued -> first scheduled), one ``prefill`` span per
 chunk, one ``step`` span per engine step (runs of decode-only steps merged), and the engine's
-cold start (ready once the KV cache is allocated)."""
+cold start (ready once the KV cache is allocated).
+
+Quiet steps (decode only, nobody waiting, no prefill in progress: they cannot delay a first
+token) are sampled: after ``TTFTSCOPE_QUIET_STEPS`` of them the scheduler *rests* (vLLM's own
+methods bound on the instance shadow the wrappers: no Python of ours per step) until a request
+arrives or the next quarter second's sample; the stretch not watched is one ``unobserved`` span."""
 
 from __future__ import annotations
 
@@ -214,6 +219,15 @@ class EngineState:
     decode_run: DecodeRun | None = None
     last_end: float = 0.0  # when the previous step's update_from_output returned
     stamp: bool = True  # the scheduler's output takes our step number (for the workers' spans)
+    # quiet steps (TTFTSCOPE_QUIET_STEPS): between samples the scheduler rests, running vLLM's own
+    # methods (instance attributes that shadow our wrappers), and nothing of ours runs per step
+    rest: tuple | None = None  # vLLM's (schedule, update_from_output); None: every step observed
+    quiet_left: int = 0  # quiet steps still to observe before resting (refilled every quarter second)
+    may_rest: bool | None = None  # decided once: False when the workers number their steps
+    resting: bool = False
+    rested: object = None  # the scheduler resting (its shadowing attributes are removed on waking)
+    gap_from: float = 0.0  # when the last observed step closed, while an unobserved stretch is open
+    rest_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 ST = EngineState()
@@ -222,6 +236,8 @@ ST = EngineState()
 @adapter("scheduler", roles=ENGINE, what="queue, prefill chunks (tokens computed / from the prefix cache) and steps",
          internals=[Internal(_SCHED, "Scheduler.add_request"), Internal(_SCHED, "Scheduler.schedule"),
                     Internal(_SCHED, "Scheduler.update_from_output"),
+                    Internal(_SCHED, "Scheduler.vllm_config", "attribute"),
+                    Internal("vllm.config.parallel", "ParallelConfig.tensor_parallel_size", "attribute"),
                     Internal(_SCHED, "Scheduler.requests", "attribute"),
                     Internal(_SCHED, "Scheduler.running", "attribute"),
                     Internal(_SCHED, "Scheduler.waiting", "attribute"),
@@ -249,6 +265,7 @@ def _install_scheduler() -> None:
         while True:
             time.sleep(0.25)
             try:
+                sample_quiet(ST, RT.config.quiet_steps)
                 flush_decode_run(ST, idle_s=0.25)
             except Exception:  # noqa: BLE001 - keep folding (the log is bounded either way)
                 if not failed:
@@ -258,10 +275,13 @@ def _install_scheduler() -> None:
                     ST.log.clear()
                     ST.decode_run = None
 
-    threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
-    at_exit(lambda: flush_decode_run(ST))
     S = sched.Scheduler
     orig_add, orig_schedule, orig_update = S.add_request, S.schedule, S.update_from_output
+    quiet = RT.config.quiet_steps
+    if quiet is not None:
+        ST.rest, ST.quiet_left = (orig_schedule, orig_update), quiet
+    threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
+    at_exit(lambda: flush_decode_run(ST))
 
     floor = timing_floor if RT.config.self_timing_dir else None
     live = [True]  # the step hooks (hot: no guard of their own): off, logged once, if one raises
@@ -357,6 +377,8 @@ def _install_engine_input() -> None:
 def _stamp_received(out, received: float) -> None:
     req = out[0] if isinstance(out, tuple) else out  # (Request, wave) in vLLM 0.32
     object.__setattr__(req, RECEIVED, received)
+    if ST.resting:  # a request for the engine: its steps are watched from when this thread had it
+        wake(ST, received)
 
 
 #: the attribute the scheduler adapter leaves on vLLM's Request: when the scheduler had it (queued)
@@ -368,6 +390,8 @@ def _on_add(request, now: float) -> None:
     """A request reaches the scheduler: when, stamped on vLLM's Request (one attribute; the
     intake and queue spans are made when it is first scheduled, from what it carries)."""
     setattr(request, QUEUED, now)
+    if ST.resting:
+        wake(ST, now)
 
 
 @hot("schedule")
@@ -375,6 +399,8 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     """Runs on the engine loop every step: a decode-only step (no new request, no prefill in
     progress) costs a counter and a tuple; a step with prefill work gathers its chunks' plain
     values (the spans are built on the export thread). Hot: its caller catches what it raises."""
+    if st.gap_from:  # the first step watched after unobserved ones, since it was woken (``wake``)
+        _unobserved(st, st.last_end)
     st.step = step = st.step + 1
     if st.stamp:  # the step travels with the output to the workers
         try:
@@ -456,20 +482,106 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
     p = st.pending.pop(id(out), None)
     prev_end = st.last_end
     st.last_end = t_u1
-    if p is None:
+    if p is None:  # scheduled before the hooks were on (or woken mid-step: the unobserved end here)
+        if st.gap_from:
+            _unobserved(st, t_u1)
         return
     if p[3] is None:
         # a decode-only step: logged as it is (one append), merged into runs off the engine loop
         # (fold_steps); requests waiting and nothing scheduled: no span, the open run ends
         total = out.total_num_scheduled_tokens
+        waiting = p[5]
         if total:
-            waiting = p[5]
             st.log.append((p[0], p[1], p[2], t_u0, t_u1, prev_end, total, p[4], waiting,
                            sched.max_num_running_reqs if waiting else 0))
-        elif p[5]:
+        elif waiting:
             st.log.append(None)
+        if not waiting and st.rest is not None:  # a quiet step: enough of them watched, rest
+            st.quiet_left -= 1
+            if st.quiet_left <= 0:
+                _rest(st, sched, t_u1)
         return
     _step_with_work(st, sched, out, t_u0, t_u1, p, prev_end)
+    if st.rest is not None and not p[5] and not st.chunks and st.quiet_left <= 0:
+        _rest(st, sched, t_u1)  # the prompts are in, nobody waits: the steps to come are quiet
+
+
+def _may_rest(sched) -> bool:
+    """Whether steps may go unobserved: not when the workers number their steps for their own
+    spans (collectives timed per call: an eager model with TP > 1; profiler windows), whose
+    step numbers must then be the engine's, every one."""
+    from .worker import model_runs_eagerly
+
+    if RT.config.profile_every:
+        return False
+    cfg = sched.vllm_config
+    return not (model_runs_eagerly(cfg) and cfg.parallel_config.tensor_parallel_size > 1)
+
+
+def _rest(st: EngineState, sched, end: float) -> None:
+    """Enough quiet steps watched: from the next step the scheduler runs vLLM's own methods
+    (bound on the instance, they shadow our class-level wrappers) until :func:`wake`. The
+    open run ends here; the unobserved stretch starts at ``end``. Not while a step with work is
+    in flight (async scheduling), and never where :func:`_may_rest` says no."""
+    with st.rest_lock:
+        try:
+            if st.may_rest is None:
+                st.may_rest = _may_rest(sched)
+            if not st.may_rest or st.resting:
+                return
+            pending = st.pending
+            if pending and any(q[3] is not None or q[5] for q in pending.values()):
+                return
+            pending.clear()  # quiet steps already scheduled: part of the unobserved stretch
+            schedule, update = st.rest
+            sched.schedule = schedule.__get__(sched)
+            sched.update_from_output = update.__get__(sched)
+        except Exception:  # noqa: BLE001 - a scheduler that cannot rest: every step watched
+            st.rest = None
+            d = getattr(sched, "__dict__", {})
+            d.pop("schedule", None)
+            d.pop("update_from_output", None)
+            log.warning("ttftscope: the scheduler cannot rest between quiet steps; every step is observed",
+                        exc_info=True)
+            return
+        st.rested, st.resting, st.gap_from = sched, True, end
+        st.log.append(None)  # the open run ends: the next steps are not watched
+
+
+def wake(st: EngineState, now: float) -> None:
+    """Watch every step again (a request came, or it is time for a sample): the scheduler's
+    shadowing methods are removed, so its next call reaches our wrappers. The stretch not
+    watched becomes one ``unobserved`` span at the first hooked call: to the end of the step
+    in progress, or (the loop between steps) to ``now``. Any thread (the engine core's input
+    thread, the step-flush thread, the engine loop), inside a hook's guard."""
+    with st.rest_lock:
+        if not st.resting:
+            return
+        st.resting = False
+        d = st.rested.__dict__
+        d.pop("schedule", None)
+        d.pop("update_from_output", None)
+        st.last_end = now
+
+
+def sample_quiet(st: EngineState, quiet_steps: int | None) -> None:
+    """Every quarter second (the step-flush thread): the next ``quiet_steps`` quiet steps are
+    watched, a sample of the engine's decode steps (their anatomy, the decode step period)."""
+    if st.rest is None or quiet_steps is None:
+        return
+    st.quiet_left = quiet_steps
+    if st.resting and quiet_steps:
+        wake(st, time.time())
+
+
+def _unobserved(st: EngineState, end: float) -> None:
+    start, st.gap_from = st.gap_from, 0.0
+    if end > start:
+        span(SpanName.UNOBSERVED, start, end, (_unobserved_attrs, (st.engine,)))
+
+
+def _unobserved_attrs(engine: str) -> dict:
+    return {Attr.ENGINE: engine}
 
 
 def _step_with_work(st: EngineState, sched, out, t_u0: float, t_u1: float, p: tuple, prev_end: float) -> None:
