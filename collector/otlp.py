@@ -860,6 +860,8 @@ def decode(body: bytes, content_type: str, limits: Limits | None = None) -> tupl
 
 def encode_response(report: DecodeReport, content_type: str) -> bytes:
     """``ExportTraceServiceResponse`` (with partial success when needed)."""
+    if not (report.rejected or report.reasons or report.warnings):  # all accepted: an empty message
+        return b"{}" if content_type == "json" else b""
     msg = report.message()
     if content_type == "json":
         if report.rejected or msg:

@@ -901,7 +901,8 @@ class CollectorHTTPServer:
     def end_request(self) -> None:
         with self._state:
             self._busy -= 1
-            self._state.notify_all()
+            if self.draining:  # only a drain waits for it
+                self._state.notify_all()
 
     def _stop_listening(self) -> None:
         if self._aserver is not None:  # (None: still being set up; serve_forever closes it)

@@ -579,3 +579,32 @@ def test_a_drain_while_the_listener_is_still_being_set_up(tmp_path, monkeypatch)
     with pytest.raises(OSError):
         socket.create_connection(col.server.server_address[:2], timeout=1).close()
     col.spool.close()
+
+
+@pytest.mark.parametrize("window, commits", [("2", 1), ("0", 2)])
+def test_the_commit_window_lets_spaced_requests_share_one_sync(collector_factory, window, commits):
+    """``--commit-window``: with a third connection open and idle, two requests posted one after
+    the other on two connections share one spool sync when the window is long (2 s: the second
+    arrives inside it) and get one each when it is 0 (read from the collector's own
+    ``ttftscope_collector_commit_requests`` histogram)."""
+    col = collector_factory(extra=["--commit-window", window]).start()
+    idle = socket.create_connection(("127.0.0.1", col.port))  # open, never posting: not everyone waits
+    try:
+        answers = []
+        posts = [threading.Thread(target=lambda k=k: answers.append(
+            requests.post(col.url + "/v1/traces", data=_batch(k, 5), headers=PB, timeout=30).status_code))
+            for k in range(2)]
+        for t in posts:
+            t.start()
+            time.sleep(0.2)  # spaced: the second is sent while the first waits for its commit
+        for t in posts:
+            t.join()
+        assert answers == [200, 200]
+        text = requests.get(col.url + "/metrics", timeout=10).text
+        got = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+               if ln.startswith("ttftscope_collector_commit_requests_")}
+        assert got["ttftscope_collector_commit_requests_sum"] == 2, got
+        assert got["ttftscope_collector_commit_requests_count"] == commits, got
+    finally:
+        idle.close()
+    assert col.terminate() == 0

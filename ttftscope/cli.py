@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-spool", type=_size, default=1 << 30, metavar="SIZE",
                    help="refuse new spans (429/503) beyond this much spooled data (default 1G)")
     c.add_argument("--max-body", type=_size, default=16 << 20, metavar="SIZE", help="largest request (default 16M)")
+    c.add_argument("--commit-window", type=float, default=None, metavar="S",
+                   help="group commit: the longest a request waits for others to share its spool sync and its "
+                        "answer, when not every open connection is waiting (default 0.05 s)")
     c.add_argument("--flush-interval", type=float, default=2.0, metavar="S",
                    help="the longest an acknowledged batch waits before it is written to the store "
                         "(default 2 s; each write is one decoding query and one part, so rarer, bigger "
@@ -260,7 +263,8 @@ def cmd_collect(a) -> int:
             return 2
     cfg = ServerConfig(host=a.listen[0], port=a.listen[1], max_body_bytes=a.max_body, bearer_token=token,
                        limits=Limits(), max_memory_bytes=a.max_memory, read_timeout_s=a.read_timeout,
-                       max_connections=max(a.max_connections, 1))
+                       max_connections=max(a.max_connections, 1),
+                       **({} if a.commit_window is None else {"commit_window_s": max(a.commit_window, 0.0)}))
     try:
         col = Collector(url, cfg, spool_dir=a.spool, fsync=not a.no_fsync, max_spool_bytes=a.max_spool,
                         segment_age_s=a.flush_interval, retention_days=a.retention_days)
