@@ -366,6 +366,8 @@ def _install_engine_input() -> None:
     @functools.wraps(orig)
     def preprocess_add_request(self, request, *a, **kw):
         received = time.time()
+        if ST.resting:  # a request for the engine: its steps are watched from now on (the step in
+            _wake_for_request(ST, received)  # progress included, before this thread spends time on it)
         out = orig(self, request, *a, **kw)
         _stamp_received(out, received)
         return out
@@ -377,8 +379,6 @@ def _install_engine_input() -> None:
 def _stamp_received(out, received: float) -> None:
     req = out[0] if isinstance(out, tuple) else out  # (Request, wave) in vLLM 0.32
     object.__setattr__(req, RECEIVED, received)
-    if ST.resting:  # a request for the engine: its steps are watched from when this thread had it
-        wake(ST, received)
 
 
 #: the attribute the scheduler adapter leaves on vLLM's Request: when the scheduler had it (queued)
@@ -562,6 +562,9 @@ def wake(st: EngineState, now: float) -> None:
         d.pop("schedule", None)
         d.pop("update_from_output", None)
         st.last_end = now
+
+
+_wake_for_request = guard("wake")(wake)  # (the input thread's, called only while the scheduler rests)
 
 
 def sample_quiet(st: EngineState, quiet_steps: int | None) -> None:
