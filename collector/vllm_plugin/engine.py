@@ -238,6 +238,8 @@ ST = EngineState()
                     Internal(_SCHED, "Scheduler.update_from_output"),
                     Internal(_SCHED, "Scheduler.vllm_config", "attribute"),
                     Internal("vllm.config.parallel", "ParallelConfig.tensor_parallel_size", "attribute"),
+                    Internal("vllm.config.compilation", "CompilationConfig.mode", "attribute"),
+                    Internal("vllm.config.compilation", "CompilationConfig.cudagraph_mode", "attribute"),
                     Internal(_SCHED, "Scheduler.requests", "attribute"),
                     Internal(_SCHED, "Scheduler.running", "attribute"),
                     Internal(_SCHED, "Scheduler.waiting", "attribute"),
@@ -510,12 +512,11 @@ def _may_rest(sched) -> bool:
     """Whether steps may go unobserved: not when the workers number their steps for their own
     spans (collectives timed per call: an eager model with TP > 1; profiler windows), whose
     step numbers must then be the engine's, every one."""
-    from .worker import model_runs_eagerly
+    from .worker import model_runs_eagerly, workers_number_steps
 
-    if RT.config.profile_every:
-        return False
     cfg = sched.vllm_config
-    return not (model_runs_eagerly(cfg) and cfg.parallel_config.tensor_parallel_size > 1)
+    return not workers_number_steps(RT.config.profile_every, model_runs_eagerly(cfg),
+                                    cfg.parallel_config.tensor_parallel_size)
 
 
 def _rest(st: EngineState, sched, end: float) -> None:
@@ -538,9 +539,7 @@ def _rest(st: EngineState, sched, end: float) -> None:
             sched.update_from_output = update.__get__(sched)
         except Exception:  # noqa: BLE001 - a scheduler that cannot rest: every step watched
             st.rest = None
-            d = getattr(sched, "__dict__", {})
-            d.pop("schedule", None)
-            d.pop("update_from_output", None)
+            _unshadow(sched)
             log.warning("ttftscope: the scheduler cannot rest between quiet steps; every step is observed",
                         exc_info=True)
             return
@@ -558,10 +557,15 @@ def wake(st: EngineState, now: float) -> None:
         if not st.resting:
             return
         st.resting = False
-        d = st.rested.__dict__
-        d.pop("schedule", None)
-        d.pop("update_from_output", None)
+        _unshadow(st.rested)
         st.last_end = now
+
+
+def _unshadow(sched) -> None:
+    """The scheduler's own methods bound on it (by :func:`_rest`) removed: our wrappers run again."""
+    d = getattr(sched, "__dict__", {})
+    d.pop("schedule", None)
+    d.pop("update_from_output", None)
 
 
 _wake_for_request = guard("wake")(wake)  # (the input thread's, called only while the scheduler rests)

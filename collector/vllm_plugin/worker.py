@@ -50,11 +50,18 @@ class WorkerState:
     release_steps: object = None  # puts vLLM's own execute_model back (set by the worker-steps adapter)
 
 
+def workers_number_steps(profile_every: int, eager: bool, tp: int) -> bool:
+    """Whether the workers time something per step and name it by the engine's step number:
+    collectives timed per call (an eager model with TP > 1) or sampled profiler windows. The
+    worker's step wrapper and the engine's quiet-step sampling both ask this."""
+    return bool(profile_every) or (bool(eager) and tp > 1)
+
+
 def steps_needed(ws: WorkerState) -> bool:
-    """Whether the step wrapper has anything to do in this worker: collectives timed per call
-    (an eager model with TP > 1) or sampled profiler windows. Otherwise (vLLM's default compiled
-    mode, or TP = 1 without windows) it would cost every step a few microseconds for nothing."""
-    return bool(ws.profile_every) or (bool(ws.eager) and ws.tp > 1)
+    """Whether the step wrapper has anything to do in this worker (:func:`workers_number_steps`).
+    Otherwise (vLLM's default compiled mode, or TP = 1 without windows) it would cost every step a
+    few microseconds for nothing."""
+    return workers_number_steps(ws.profile_every, ws.eager, ws.tp)
 
 
 WS = WorkerState()
