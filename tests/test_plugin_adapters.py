@@ -649,3 +649,55 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
     assert gap3[1] == sampled[2] and gap3[2] <= admitted[1]
     for a, b in zip(got, got[1:], strict=False):
         assert b[1] >= a[2] - 1e-9, ("spans in order, none overlapping", a, b)
+
+
+@pytest.mark.parametrize("override", ["schedule", "update_from_output"])
+def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch, override):
+    """Resting binds vLLM's base ``Scheduler`` methods on the instance: on a subclass that
+    overrides one of them (vLLM's own ``DiffusionScheduler`` overrides ``schedule``; a
+    ``--scheduler-cls`` of the user's may), that would skip the override — the server would
+    schedule as another scheduler. Such a scheduler is never rested: its override runs every
+    step, every step is watched."""
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.otel_setup import DeferredSpans
+    from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from vllm.config.compilation import CompilationMode
+    from vllm.v1.core.sched import scheduler as sched_mod
+
+    S = sched_mod.Scheduler
+    for name, fn in (("add_request", lambda self, r: None),
+                     ("schedule", lambda self, *a, **kw: NS(scheduled_new_reqs=[], num_scheduled_tokens={"a": 1},
+                                                            total_num_scheduled_tokens=1)),
+                     ("update_from_output", lambda self, out, *a, **kw: "updated")):
+        monkeypatch.setattr(S, name, fn)  # vLLM's methods, standing in (no engine here)
+    monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, quiet_steps=2, profile_every=0))
+    monkeypatch.setattr(RT, "deferred", DeferredSpans(tracer=None))
+    monkeypatch.setattr(E, "ST", E.EngineState())
+    E._install_scheduler()
+    ran = []
+
+    class Mine(S):  # defined after the plugin installed its wrappers, as vLLM's subclasses are
+        pass
+
+    def own(self, *a, **kw):
+        ran.append(override)
+        return getattr(super(Mine, self), override)(*a, **kw)
+
+    setattr(Mine, override, own)
+    me = Mine.__new__(Mine)
+    me.__dict__.update(running=[1], waiting=[], max_num_running_reqs=8, requests={}, block_size=16,
+                       vllm_config=NS(compilation_config=NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=None),
+                                      parallel_config=NS(tensor_parallel_size=1)))
+    for _ in range(8):
+        assert me.update_from_output(me.schedule()) == "updated"
+    assert ran == [override] * 8, "the subclass's own method ran every step"
+    assert E.ST.step == 8 and not E.ST.resting and "schedule" not in vars(me), "every step watched"
+    # the same steps on the base class rest after the sample (the rule is about the override)
+    base = S.__new__(S)
+    base.__dict__.update(me.__dict__)
+    monkeypatch.setattr(E, "ST", E.EngineState(wrappers=E.ST.wrappers, rest=E.ST.rest, quiet_left=2))
+    for _ in range(4):
+        base.update_from_output(base.schedule())
+    assert E.ST.resting and E.ST.step == 2

@@ -223,7 +223,8 @@ class EngineState:
     # methods (instance attributes that shadow our wrappers), and nothing of ours runs per step
     rest: tuple | None = None  # vLLM's (schedule, update_from_output); None: every step observed
     quiet_left: int = 0  # quiet steps still to observe before resting (refilled every quarter second)
-    may_rest: bool | None = None  # decided once: False when the workers number their steps
+    may_rest: bool | None = None  # decided once (``_may_rest``)
+    wrappers: tuple = ()  # the class-level (schedule, update_from_output) wrappers the plugin installed
     resting: bool = False
     rested: object = None  # the scheduler resting (its shadowing attributes are removed on waking)
     gap_from: float = 0.0  # when the last observed step closed, while an unobserved stretch is open
@@ -324,6 +325,7 @@ def _install_scheduler() -> None:
                     broken("step")
 
     S.add_request, S.schedule, S.update_from_output = add_request, schedule, update_from_output
+    ST.wrappers = (schedule, update_from_output)
 
 
 @adapter("engine-ready", roles=ENGINE, what="the engine core's cold start (process start -> KV cache allocated)",
@@ -508,12 +510,21 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
         _rest(st, sched, t_u1)  # the prompts are in, nobody waits: the steps to come are quiet
 
 
-def _may_rest(sched) -> bool:
+def _may_rest(st: EngineState, sched) -> bool:
     """Whether steps may go unobserved: not when the workers number their steps for their own
     spans (collectives timed per call: an eager model with TP > 1; profiler windows), whose
-    step numbers must then be the engine's, every one."""
+    step numbers must then be the engine's, every one; and not when the scheduler's class does
+    not reach ``schedule`` / ``update_from_output`` straight through the plugin's wrappers (a
+    subclass that overrides one, as vLLM's ``DiffusionScheduler`` does ``schedule``, or another
+    plugin's wrapper around ours): resting binds vLLM's base methods on the instance, which
+    would skip that override — every step is watched there instead."""
     from .worker import model_runs_eagerly, workers_number_steps
 
+    cls = type(sched)
+    if (getattr(cls, "schedule", None), getattr(cls, "update_from_output", None)) != st.wrappers:
+        log.info("ttftscope: %s.%s has a schedule/update_from_output of its own; every engine step is observed",
+                 cls.__module__, cls.__qualname__)
+        return False
     cfg = sched.vllm_config
     return not workers_number_steps(RT.config.profile_every, model_runs_eagerly(cfg),
                                     cfg.parallel_config.tensor_parallel_size)
@@ -527,7 +538,7 @@ def _rest(st: EngineState, sched, end: float) -> None:
     with st.rest_lock:
         try:
             if st.may_rest is None:
-                st.may_rest = _may_rest(sched)
+                st.may_rest = _may_rest(st, sched)
             if not st.may_rest or st.resting:
                 return
             pending = st.pending
