@@ -300,27 +300,41 @@ def test_tensor_parallel_2_eager_allreduce_from_both_ranks_linked_to_steps(tmp_p
                      f"(rank, step, profiled, hooked, shortest ns) {off} of {len(calls)}")
 
 
-@pytest.mark.parametrize("tp,eager", [(2, False), (1, True)], ids=["tp2-compiled", "tp1-eager"])
-def test_plugin_matrix_serves_and_every_span_kind_arrives(tmp_path, tp, eager):
+@pytest.mark.parametrize("tp,eager,own_scheduler", [(2, False, False), (1, True, True)],
+                         ids=["tp2-compiled", "tp1-eager-own-scheduler"])
+def test_plugin_matrix_serves_and_every_span_kind_arrives(tmp_path, tp, eager, own_scheduler):
     """The rest of TP {1,2} x {eager, compiled} (tp1-compiled is the module fixture, tp2-eager
     the test above). Compiled TP=2 is vLLM's default start-up that the plugin used to crash:
     no wrapper of ours may sit inside the compiled graph; collectives come from the sampled
-    profiler windows instead."""
+    profiler windows instead. The eager TP=1 server also runs a scheduler of the user's own
+    (``--scheduler-cls``, a subclass with its own ``schedule``: tests/planted): its method must run
+    at every engine step (vLLM's own count), so the plugin never rests it between quiet steps."""
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
     run = f"m-{tp}-{'eager' if eager else 'compiled'}"
-    srv = VllmServer(tmp_path, col.url + "/v1/traces", tp=tp, eager=eager, run=run,
-                     env={"TTFTSCOPE_PROFILE_EVERY": "4"} if tp > 1 else None).start()
+    env, extra, counted = {"TTFTSCOPE_PROFILE_EVERY": "4"} if tp > 1 else {}, [], tmp_path / "schedule-calls"
+    if own_scheduler:
+        env |= {"PYTHONPATH": str(ROOT / "tests" / "planted"), "PLANTED_SCHEDULE_COUNT": str(counted)}
+        extra = ["--scheduler-cls", "planted_scheduler.CountingScheduler"]
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", tp=tp, eager=eager, run=run, env=env, extra=extra).start()
     try:
         srv.completion("warm up the model", 2)
         plain = [srv.completion(prompt_of(150, i))["id"] for i in range(2)]
         streamed = [srv.stream(prompt_of(150, 10 + i))[0]["id"] for i in range(2)]
         chat = srv.chat(prompt_of(20, 30))["id"]
         assert all(plain) and all(streamed) and chat
+        srv.stream(prompt_of(40, 40), 48, ignore_eos=True)  # decode steps alone: quiet ones, which may rest
         col.wait_quiet()
         log = srv.output()
+        steps = srv.metrics()["vllm:iteration_tokens_total_count"]
     finally:
         srv.stop()
     assert col.terminate() == 0
+    if own_scheduler:
+        calls = counted.stat().st_size
+        print(f"the scheduler's own schedule ran {calls} times; vLLM's steps {steps:.0f}")
+        assert calls >= steps > 48, "the subclass's schedule ran at every step vLLM counted"
+        assert not ttftscope_sql(col.store, "SELECT 1 FROM otel_traces WHERE SpanName = 'ttftscope.step.unobserved'"), \
+            "never rested: every step watched"
     assert "Attempted to call function marked as skipped" not in log
     assert "ttftscope: adapter" not in log, "no adapter disabled"
     names = {r["SpanName"]: int(r["n"]) for r in ttftscope_sql(
