@@ -651,7 +651,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
         assert b[1] >= a[2] - 1e-9, ("spans in order, none overlapping", a, b)
 
 
-@pytest.mark.parametrize("override", ["schedule", "update_from_output"])
+@pytest.mark.parametrize("override", ["schedule", "update_from_output", "wrapped-after"])
 def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch, override):
     """Resting binds vLLM's base ``Scheduler`` methods on the instance: on a subclass that
     overrides one of them (vLLM's own ``DiffusionScheduler`` overrides ``schedule``; a
@@ -685,7 +685,16 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
         ran.append(override)
         return getattr(super(Mine, self), override)(*a, **kw)
 
-    setattr(Mine, override, own)
+    if override == "wrapped-after":  # another plugin wraps vLLM's schedule after ours, on the base class
+        ours = S.schedule
+
+        def theirs(self, *a, **kw):
+            ran.append(override)
+            return ours(self, *a, **kw)
+
+        monkeypatch.setattr(S, "schedule", theirs)
+    else:
+        setattr(Mine, override, own)
     me = Mine.__new__(Mine)
     me.__dict__.update(running=[1], waiting=[], max_num_running_reqs=8, requests={}, block_size=16,
                        vllm_config=NS(compilation_config=NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=None),
@@ -694,6 +703,8 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
         assert me.update_from_output(me.schedule()) == "updated"
     assert ran == [override] * 8, "the subclass's own method ran every step"
     assert E.ST.step == 8 and not E.ST.resting and "schedule" not in vars(me), "every step watched"
+    if override == "wrapped-after":
+        return
     # the same steps on the base class rest after the sample (the rule is about the override)
     base = S.__new__(S)
     base.__dict__.update(me.__dict__)
