@@ -104,6 +104,12 @@ def as_baseline(recs: list[tuple]) -> list[tuple]:
     return out
 
 
+def load_and_hash(frame: bytes) -> list[list[str]]:
+    """The sidecar's side of a frame: unpickle it, then every admitted prompt's prefix hashes."""
+    return [c[6].hashes() for r in pickle.loads(frame) if r[0] is None  # a group: args[5] is (chunks, queued)
+            for c in (r[3][1][5] or ((), ()))[0] if c[6] is not None]
+
+
 def pair_us(f, x, y, rounds: int) -> tuple[float, float]:
     """CPU of ``f(x)`` and ``f(y)`` (us), interleaved round by round, the least of each."""
     best = [float("inf"), float("inf")]
@@ -131,19 +137,8 @@ def main() -> None:
         base = as_baseline(recs)
         new_f, old_f = bytes(dump_frame(recs)[4:]), bytes(dump_frame(base)[4:])
 
-        def load_and_hash(frame: bytes) -> None:
-            for r in pickle.loads(frame):
-                if r[0] is None:
-                    for c in (r[3][1][5] or ((), ()))[0]:
-                        if c[6] is not None:
-                            c[6].hashes()
-
         # the same prefix hashes either way (checked, not assumed)
-        def hashes(frame: bytes) -> list:
-            return [c[6].hashes() for r in pickle.loads(frame) if r[0] is None
-                    for c in (r[3][1][5] or ((), ()))[0] if c[6] is not None]
-
-        assert hashes(new_f) == hashes(old_f), "the two hand-offs give the same prefix hashes"
+        assert load_and_hash(new_f) == load_and_hash(old_f), "the two hand-offs give the same prefix hashes"
         assert sum(1 for _ in expand(pickle.loads(new_f))) == sum(1 for _ in expand(recs))
         n = a.requests
         new, old = (v / n for v in pair_us(dump_frame, recs, base, a.rounds))

@@ -234,12 +234,11 @@ def _saturated(results: dict, rate: float) -> None:
     so its TTFT is mostly queueing, its steps batch more requests than the rate would make them
     (fewer steps per request) and the comparisons above describe a saturated server, not the
     load asked for (this VM's speed moves by ~2x within hours: 20 req/s fits in its fast phases)."""
-    slow = {m: min(x["throughput"] for x in runs) for m, runs in results.items()
-            if min(x["throughput"] for x in runs) < KEPT_UP * rate}
+    served = {m: min(x["throughput"] for x in runs) for m, runs in results.items()}
+    slow = {m: v for m, v in served.items() if v < KEPT_UP * rate}
     if slow:
-        served = ", ".join(f"{m} {v:.1f}" for m, v in slow.items())
         print(f"\nWARNING: the server did not keep up with {rate:g} req/s offered (served, req/s, slowest round: "
-              f"{served}): saturated, its queue grew through the run. TTFT above is queueing and the per-request and "
+              f"{', '.join(f'{m} {v:.1f}' for m, v in slow.items())}): saturated, its queue grew through the run. TTFT above is queueing and the per-request and "
               f"per-step figures are of a saturated server's fuller batches; rerun with --rate below what it served.")
 
 
