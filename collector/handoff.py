@@ -246,17 +246,12 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
         self._sent: dict[int, tuple] = {}  # source index -> (resource, scope, kind) the sidecar has
         self._sent_gen = 0
         self._pickle_failed = False
-        self._post_lock = threading.Lock()
         super().__init__(exporter, **kw)
 
     def _client(self):
         return super()._client() if self.link.broken else self.link
 
     def _post(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
-        with self._post_lock:  # the export thread, or a force_flush from another: one sidecar, one frame at a time
-            return self._handoff(sdk_spans, taken)
-
-    def _handoff(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
         if not self.link.ensure():
             return super()._post(sdk_spans, taken)  # in-process, through the poster (``_client``)
         if self._sent_gen != self.link.generation:

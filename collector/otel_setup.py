@@ -303,7 +303,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.retried = 0  # spans the collector refused with a retryable status, sent again later
         self._status = 0  # the last export's HTTP status (0: no answer)
         self._hold_until = 0.0  # no export before this (monotonic): the collector's Retry-After
-        self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()  # one drain at a time: a flush waits for the export in flight
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_warn = 0.0
@@ -381,7 +381,18 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         except ValueError:  # an HTTP date: the usual interval
             return self.interval_s
 
-    def _drain(self, everything: bool = False) -> None:
+    def _drain(self, everything: bool = False, wait_s: float = -1) -> bool:
+        """Export as :meth:`_drain_held` does, once no other drain is in flight (the export
+        thread's, or a flush from another thread): False when none ended within ``wait_s``."""
+        if not self._drain_lock.acquire(timeout=wait_s):
+            return False
+        try:
+            self._drain_held(everything)
+        finally:
+            self._drain_lock.release()
+        return True
+
+    def _drain_held(self, everything: bool = False) -> None:
         """Export what was queued when the drain began (``everything``: until nothing is left,
         as at shutdown or a flush), one request per batch: vLLM's own SDK spans and the
         plugin's deferred spans, in the same request. Spans that arrive while it posts wait for
@@ -467,6 +478,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             pass
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Export what is queued now; True when nothing is left (SDK spans and deferred ones)."""
-        self._drain(everything=True)
+        """Export what is queued now, after the export in flight (if any) is answered; True when
+        nothing is left (SDK spans and deferred ones)."""
+        if not self._drain(everything=True, wait_s=max(timeout_millis, 0) / 1000):
+            return False
         return not self._q and not any(len(s) for s in self.sources)

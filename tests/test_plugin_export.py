@@ -418,3 +418,40 @@ def test_a_wake_up_posts_what_was_queued_not_what_arrives_while_it_posts(collect
                                     "FROM otel_traces WHERE ServiceName = 'one-wake' GROUP BY name")
     assert {r["name"]: (int(r["n"]), int(r["u"])) for r in rows} == {"queued": (20, 20), "arrived": (400, 400),
                                                                       "llm_request": (5, 5)}
+
+
+def test_a_flush_waits_for_the_export_in_flight(collector_factory):
+    """A flush while the export thread is posting (woken by a full batch) returns once that post
+    is answered, not at once because the queue is empty: what ended before the flush was exported
+    (or counted failed) when it returns, as the OpenTelemetry SDK's processor does. (CI caught the
+    sidecar test of a stopped sidecar reading ``failed == 0`` after its flush: the export thread
+    had taken the 512 spans and was still waiting on the pipe.)"""
+    import os
+    import signal
+    import threading
+    import time
+
+    col = collector_factory().start()
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=10), interval_s=60,
+                                     max_batch=8, poster=OtlpHttpPoster(col.url + "/v1/traces", timeout=10))
+    deferred = DeferredSpans(None, Resource.create({"service.name": "in-flight"}), max_batch=8)
+    proc.add_source(deferred)
+    resume = threading.Timer(0, lambda: None)
+    os.kill(col.proc.pid, signal.SIGSTOP)  # the collector takes the request but answers only when resumed
+    try:
+        for i in range(8):  # a full batch: the export thread wakes and posts it
+            deferred.add("full", 1_700_000_000.0 + i, 1_700_000_000.5 + i, {"i": i})
+        deadline = time.monotonic() + 10
+        while len(deferred) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(deferred) == 0  # taken by the export thread, which now waits for the answer
+        resume = threading.Timer(1.0, os.kill, (col.proc.pid, signal.SIGCONT))
+        resume.start()
+        assert proc.force_flush() and proc.exported == 8, proc.exported
+    finally:
+        resume.cancel()
+        os.kill(col.proc.pid, signal.SIGCONT)
+    proc.shutdown()
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    assert ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE ServiceName = 'in-flight'")[0]["n"] == 8
