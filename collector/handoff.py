@@ -305,7 +305,7 @@ class _SidecarProcessor(BoundedBatchSpanProcessor):
         self.raw: deque[bytes] = deque(maxlen=64)
         super().__init__(*a, **kw)
 
-    def _drain(self, everything: bool = False) -> None:
+    def _drain_held(self, everything: bool = False) -> None:
         while self.raw:
             body = self.raw.popleft()
             try:
@@ -314,7 +314,7 @@ class _SidecarProcessor(BoundedBatchSpanProcessor):
                 ok = False
             if not ok:
                 self.failed += 1
-        super()._drain(everything)
+        super()._drain_held(everything)
 
 
 class _NoExporter:

@@ -249,3 +249,23 @@ def test_a_sidecar_still_posting_at_exit_finishes_on_its_own(monkeypatch):
         assert sidecar.poll() is None and not sink.seen, "the serving process left before the slow post came back"
         assert sidecar.wait(30) == 0
         assert len(sink.seen) == 1 and b"left-to-finish" in sink.seen[0][1]
+
+
+def test_the_sidecars_processor_flushes_its_raw_bodies_too(collector_factory):
+    """The sidecar's own processor (serialized bodies handed over whole, besides records) flushes
+    through the same one-drain-at-a-time path as the plugin's: its raw bodies are posted before
+    the flush returns. (Its drain override took no timeout and would have failed a flush.)"""
+    from ttftscope.collector.span_wire import request_entry
+
+    col = collector_factory().start()
+    proc = handoff._SidecarProcessor(handoff._NoExporter(), interval_s=60,
+                                     poster=OtlpHttpPoster(col.url + "/v1/traces", timeout=5))
+    src = DeferredSpans(None, Resource.create({"service.name": "raw-bodies"}))
+    src.add("raw", T0, T0 + 1, {"i": 1})
+    proc.raw.append(request_entry(src.encode(src.take(1))))
+    assert proc.force_flush() and not proc.raw and proc.failed == 0
+    proc.shutdown()
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    got = ttftscope_sql(col.store, "SELECT count() AS c FROM otel_traces WHERE ServiceName = 'raw-bodies'")
+    assert int(got[0]["c"]) == 1
