@@ -207,7 +207,9 @@ class Sidecar:
             self.proc = None
 
     def forget(self) -> None:
-        """In a forked child: the parent's sidecar is not ours (its pipe closed here, not killed)."""
+        """In a forked child: the parent's sidecar is not ours (its pipe closed here, not killed;
+        its send lock new: a fork mid-send would leave the child's copy held)."""
+        self.lock = threading.Lock()
         if self.fd >= 0:
             try:
                 os.close(self.fd)

@@ -16,9 +16,11 @@ SDK's span objects and its encoder (figures: README, bench/overhead).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -313,6 +315,13 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.posts = 0
         self._t = threading.Thread(target=self._run, name="ttftscope-export", daemon=True)
         self._t.start()
+        forked = weakref.WeakMethod(self._forked)  # (a processor let go is not kept for a fork)
+        os.register_at_fork(after_in_child=lambda: (f := forked()) is not None and f())
+
+    def _forked(self) -> None:
+        """In a forked child: the export thread's drain lock is new (a fork while it posted would
+        leave the child's copy held, and its flush or exit waiting for ever)."""
+        self._drain_lock = threading.Lock()
 
     def on_start(self, span, parent_context=None) -> None:  # noqa: D401 - nothing to do
         pass

@@ -455,3 +455,27 @@ def test_a_flush_waits_for_the_export_in_flight(collector_factory):
     col.wait_quiet(quiet_s=1.0)
     assert col.terminate() == 0
     assert ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE ServiceName = 'in-flight'")[0]["n"] == 8
+
+
+def test_a_child_forked_mid_export_can_still_flush_and_exit():
+    """A fork while the export thread posts (its drain lock held) must not leave the child's copy
+    of the lock held: the child's flush, and its exit, would wait for ever. (vLLM starts its
+    engine core and workers as multiprocessing children.) Also the sidecar's send lock."""
+    import os
+
+    from ttftscope.collector.handoff import HandoffProcessor
+
+    for proc, lock in ((p := BoundedBatchSpanProcessor(None, interval_s=60), "_drain_lock"),
+                       (h := HandoffProcessor(None, role="t", endpoint="http://127.0.0.1:9/v1/traces", timeout_s=1,
+                                              interval_s=60), "_drain_lock")):
+        for held in (getattr(proc, lock), *((proc.link.lock,) if proc is h else ())):
+            held.acquire()  # as the export thread holds it while it posts
+            pid = os.fork()
+            if pid == 0:  # the child: its flush (nothing queued) and the sidecar's send lock
+                ok = proc.force_flush(timeout_millis=2000) and (proc is not h or proc.link.lock.acquire(timeout=2))
+                os._exit(0 if ok else 1)
+            held.release()
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, (type(proc).__name__, held)
+    p.shutdown()
+    h.shutdown()
