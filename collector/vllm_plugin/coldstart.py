@@ -14,6 +14,11 @@ from .runtime import RT, guard, span
 _DONE = [False]
 
 
+def forked() -> None:
+    """A forked child's cold start is its own (``forks``)."""
+    _DONE[0] = False
+
+
 @guard("process_ready")
 def emit_process_ready(role: str, rank: int | None = 0) -> None:
     if _DONE[0] or RT.tracer is None:

@@ -229,6 +229,11 @@ def at_exit(fn) -> None:
     _EXIT_HOOKS.append(fn)
 
 
+def reset_exit_hooks() -> None:
+    """A forked child's: the parent's exit hooks (its open run of steps) are not its own."""
+    _EXIT_HOOKS.clear()
+
+
 def on_exit() -> None:
     if RT.exited:
         return
