@@ -300,21 +300,27 @@ def test_tensor_parallel_2_eager_allreduce_from_both_ranks_linked_to_steps(tmp_p
                      f"(rank, step, profiled, hooked, shortest ns) {off} of {len(calls)}")
 
 
-@pytest.mark.parametrize("tp,eager,own_scheduler", [(2, False, False), (1, True, True)],
-                         ids=["tp2-compiled", "tp1-eager-own-scheduler"])
-def test_plugin_matrix_serves_and_every_span_kind_arrives(tmp_path, tp, eager, own_scheduler):
+@pytest.mark.parametrize("tp,eager,own_scheduler,forked", [(2, False, False, False), (1, True, True, False),
+                                                           (1, False, False, True)],
+                         ids=["tp2-compiled", "tp1-eager-own-scheduler", "tp1-compiled-forked"])
+def test_plugin_matrix_serves_and_every_span_kind_arrives(tmp_path, tp, eager, own_scheduler, forked):
     """The rest of TP {1,2} x {eager, compiled} (tp1-compiled is the module fixture, tp2-eager
     the test above). Compiled TP=2 is vLLM's default start-up that the plugin used to crash:
     no wrapper of ours may sit inside the compiled graph; collectives come from the sampled
     profiler windows instead. The eager TP=1 server also runs a scheduler of the user's own
     (``--scheduler-cls``, a subclass with its own ``schedule``: tests/planted): its method must run
-    at every engine step (vLLM's own count), so the plugin never rests it between quiet steps."""
+    at every engine step (vLLM's own count), so the plugin never rests it between quiet steps.
+    The forked case starts the engine core by ``fork``, as vLLM does by default on a GPU host
+    (tests/planted_fork; its CPU platform spawns): vLLM never calls the plugin there itself."""
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
     run = f"m-{tp}-{'eager' if eager else 'compiled'}"
     env, extra, counted = {"TTFTSCOPE_PROFILE_EVERY": "4"} if tp > 1 else {}, [], tmp_path / "schedule-calls"
     if own_scheduler:
         env |= {"PYTHONPATH": str(ROOT / "tests" / "planted"), "PLANTED_SCHEDULE_COUNT": str(counted)}
         extra = ["--scheduler-cls", "planted_scheduler.CountingScheduler"]
+    forks_asked = tmp_path / "forks-asked"
+    if forked:
+        env |= {"PYTHONPATH": str(ROOT / "tests" / "planted_fork"), "PLANTED_FORK_LOG": str(forks_asked)}
     srv = VllmServer(tmp_path, col.url + "/v1/traces", tp=tp, eager=eager, run=run, env=env, extra=extra).start()
     try:
         srv.completion("warm up the model", 2)
@@ -326,9 +332,19 @@ def test_plugin_matrix_serves_and_every_span_kind_arrives(tmp_path, tp, eager, o
         col.wait_quiet()
         log = srv.output()
         steps = srv.metrics()["vllm:iteration_tokens_total_count"]
+        import psutil
+
+        children = {c.pid for c in psutil.Process(srv.proc.pid).children(recursive=True)}
     finally:
         srv.stop()
     assert col.terminate() == 0
+    # the engine core's spans come from one of vLLM's child processes, registered as the engine core
+    engine_pids = {int(r["pid"]) for r in ttftscope_sql(
+        col.store, "SELECT DISTINCT ResourceAttributes['process.pid'] AS pid FROM otel_traces "
+                   "WHERE ResourceAttributes['ttftscope.process.role'] = 'engine_core'")}
+    assert len(engine_pids) == 1 and engine_pids <= children, (engine_pids, children)
+    if forked:  # the plant took: vLLM asked for its processes' context and was given fork
+        assert "fork" in forks_asked.read_text(), "vLLM never asked the planted get_mp_context"
     if own_scheduler:
         calls = counted.stat().st_size
         print(f"the scheduler's own schedule ran {calls} times; vLLM's steps {steps:.0f}")
