@@ -465,17 +465,16 @@ def test_a_child_forked_mid_export_can_still_flush_and_exit():
 
     from ttftscope.collector.handoff import HandoffProcessor
 
-    for proc, lock in ((p := BoundedBatchSpanProcessor(None, interval_s=60), "_drain_lock"),
-                       (h := HandoffProcessor(None, role="t", endpoint="http://127.0.0.1:9/v1/traces", timeout_s=1,
-                                              interval_s=60), "_drain_lock")):
-        for held in (getattr(proc, lock), *((proc.link.lock,) if proc is h else ())):
-            held.acquire()  # as the export thread holds it while it posts
-            pid = os.fork()
-            if pid == 0:  # the child: its flush (nothing queued) and the sidecar's send lock
-                ok = proc.force_flush(timeout_millis=2000) and (proc is not h or proc.link.lock.acquire(timeout=2))
-                os._exit(0 if ok else 1)
-            held.release()
-            _, status = os.waitpid(pid, 0)
-            assert os.waitstatus_to_exitcode(status) == 0, (type(proc).__name__, held)
+    p = BoundedBatchSpanProcessor(None, interval_s=60)
+    h = HandoffProcessor(None, role="t", endpoint="http://127.0.0.1:9/v1/traces", timeout_s=1, interval_s=60)
+    for proc, held in ((p, p._drain_lock), (h, h._drain_lock), (h, h.link.lock)):
+        held.acquire()  # as the export thread holds it while it posts
+        pid = os.fork()
+        if pid == 0:  # the child: its flush (nothing queued) and the sidecar's send lock
+            ok = proc.force_flush(timeout_millis=2000) and (proc is not h or h.link.lock.acquire(timeout=2))
+            os._exit(0 if ok else 1)
+        held.release()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, (type(proc).__name__, held)
     p.shutdown()
     h.shutdown()

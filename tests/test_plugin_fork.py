@@ -18,11 +18,10 @@ sys.argv = ["vllm", "serve", "model"]  # the API server, as the plugin tells it
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # vLLM's own loader: the plugin's entry point, as in vLLM's API server
 from ttftscope.collector.vllm_plugin import RT
-from ttftscope.collector.vllm_plugin.runtime import at_exit
 from ttftscope.collector.vllm_plugin import runtime
 def parents_hook():
     pass
-at_exit(parents_hook)  # an exit hook of the parent's (an open run of its steps)
+runtime.at_exit(parents_hook)  # an exit hook of the parent's (an open run of its steps)
 PARENT_PROC = RT.processor
 from ttftscope.collector.vllm_plugin import coldstart
 coldstart._DONE[0] = True  # the parent's cold start reported (as the API server's is when it serves)

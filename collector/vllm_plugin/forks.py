@@ -4,9 +4,9 @@ initialized in the parent; vLLM's CPU platform always spawns). A forked child in
 "plugins loaded" flag, so vLLM never calls ``register()`` there, and it inherits this process's
 plugin state: the parent's role (an engine core that thought it was the API server installed
 no engine adapter), an export processor whose thread did not survive the fork, the parent's
-exit hooks, its cold start already reported. Here the state is reset in the child at the fork, and ``register()`` runs when vLLM
-loads plugins in it (``EngineCore.__init__``, ``WorkerBase.__init__``), before vLLM's own
-loader, which does nothing there. Only this plugin runs again: the other plugins' patches were
+exit hooks, its cold start already reported. Here the state is reset in the child at the fork,
+and ``register()`` runs when vLLM loads plugins in it (``EngineCore.__init__``,
+``WorkerBase.__init__``), before vLLM's own loader, which does nothing there. Only this plugin runs again: the other plugins' patches were
 inherited, and running them twice could wrap a method twice."""
 
 from __future__ import annotations
