@@ -290,6 +290,9 @@ MAX_RETRY_AFTER_S = 30.0
 
 
 class BoundedBatchSpanProcessor(SpanProcessor):
+    #: how often encoding gives the GIL away (``GilYield``; None: ``YIELD_S``, 0: never)
+    gil_yield_s: float | None = None
+
     def __init__(self, exporter: SpanExporter, *, max_queue: int = 8192, max_batch: int = 512,
                  interval_s: float = 0.5, poster=None) -> None:
         self.exporter = exporter
@@ -355,7 +358,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if client is None:
             res = self.exporter.export(sdk_spans)
             return getattr(res, "name", "SUCCESS") == "SUCCESS"
-        tick = GilYield()
+        tick = GilYield(self.gil_yield_s)
         c0 = time.thread_time()
         body = sdk_body(sdk_spans, tick)
         c1 = time.thread_time()

@@ -269,3 +269,33 @@ def test_the_sidecars_processor_flushes_its_raw_bodies_too(collector_factory):
     assert col.terminate() == 0
     got = ttftscope_sql(col.store, "SELECT count() AS c FROM otel_traces WHERE ServiceName = 'raw-bodies'")
     assert int(got[0]["c"]) == 1
+
+
+def test_the_sidecar_encodes_without_giving_its_gil_away(monkeypatch):
+    """A serving process's export thread sleeps now and then while it encodes, so that vLLM's
+    threads get the GIL; the sidecar serves nothing, and its encoder must not pay those sleeps
+    (wall time, and a cold wake-up after each). The same records through both processors: the
+    in-process one sleeps (the check can fail), the sidecar's never."""
+    from ttftscope.collector import otel_setup
+
+    class Discard:
+        def export(self, body) -> bool:
+            return True
+
+    sleeps = []
+    monkeypatch.setattr(otel_setup.time, "sleep", lambda s: sleeps.append(s))
+    monkeypatch.setattr(otel_setup, "YIELD_S", 1e-9)  # a yield's turn comes at every span
+    counts = {}
+    for name, proc in (("in-process", BoundedBatchSpanProcessor(None, interval_s=60, poster=Discard())),
+                       ("sidecar", handoff._SidecarProcessor(handoff._NoExporter(), interval_s=60,
+                                                             poster=Discard()))):
+        src = DeferredSpans(None, Resource.create({"service.name": "s"}))
+        proc.add_source(src)
+        for k in range(50):
+            src.add("x", T0 + k, T0 + k + 1, {"k": k}, {"traceparent": TP})
+        sleeps.clear()
+        proc._drain(True, 5.0)
+        assert not len(src) and proc.exported == 50
+        counts[name] = len(sleeps)
+        proc.shutdown()
+    assert counts["in-process"] > 0 and counts["sidecar"] == 0, counts
