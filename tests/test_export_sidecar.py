@@ -282,8 +282,17 @@ def test_the_sidecar_encodes_without_giving_its_gil_away(monkeypatch):
         def export(self, body) -> bool:
             return True
 
-    sleeps = []
-    monkeypatch.setattr(otel_setup.time, "sleep", lambda s: sleeps.append(s))
+    import threading
+
+    me, sleeps, sleep = threading.get_ident(), [], otel_setup.time.sleep
+
+    def counted(s: float) -> None:  # this thread's (the drain's) sleeps; other threads sleep as before
+        if threading.get_ident() == me:
+            sleeps.append(s)
+        else:
+            sleep(s)
+
+    monkeypatch.setattr(otel_setup.time, "sleep", counted)
     monkeypatch.setattr(otel_setup, "YIELD_S", 1e-9)  # a yield's turn comes at every span
     counts = {}
     for name, proc in (("in-process", BoundedBatchSpanProcessor(None, interval_s=60, poster=Discard())),
