@@ -24,7 +24,9 @@ that build, encode and post the spans) are reported on a row of their own, and w
 
 Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-dir DIR] [--rate 20]
        [--output-len 16]. The plugin as it was before quiet steps were sampled (every engine step
-       watched): TTFTSCOPE_QUIET_STEPS=all in the environment.
+       watched): TTFTSCOPE_QUIET_STEPS=all in the environment. An interleaved A/B of a plugin setting:
+       --plugin-b KEY=VAL[,KEY=VAL] runs the plugin a second way (mode plugin-b) right after it in
+       every round, e.g. --modes plugin --plugin-b OTEL_BSP_SCHEDULE_DELAY=5000.
 """
 
 from __future__ import annotations
@@ -145,11 +147,12 @@ def _self_cost(before: dict, after: dict, requests: int) -> dict[str, dict]:
     return out
 
 
-def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
+def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: dict | None = None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     col = None
     sink = None
-    if mode in ("vllm", "plugin"):
+    plugin = mode in ("plugin", "plugin-b")
+    if mode in ("vllm", "plugin", "plugin-b"):
         cdir = Path(tempfile.mkdtemp(prefix=f"overhead-{mode}-", dir=collector_dir))
         col = CollectorProc(str(cdir / "store"), cdir / "spool", flush_interval=2.0, nice=19).start()  # the default
     if mode == "sink":
@@ -157,8 +160,9 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
         sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], preexec_fn=lambda: os.nice(19))
         wait_http(f"http://127.0.0.1:{port}/", sink)  # any answer: it listens
         srv = VllmServer(tmp, f"http://127.0.0.1:{port}/v1/traces", run="overhead")
-    elif mode == "plugin":
-        srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead", env={"TTFTSCOPE_SELF_TIMING": str(tmp / "self")})
+    elif plugin:  # plugin-b: the same with --plugin-b's environment
+        srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead",
+                         env={"TTFTSCOPE_SELF_TIMING": str(tmp / "self"), **(plugin_b if mode == "plugin-b" else {})})
     elif mode == "vllm":
         srv = VllmServer(tmp, None, plugin=False, extra=["--otlp-traces-endpoint", col.url + "/v1/traces"],
                          env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
@@ -174,7 +178,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path) -> dict:
         vcpu1, steps = _vllm_cpu(srv.proc.pid), _steps(srv.url) - steps0
         vllm_cpu = {r: vcpu1[r] - vcpu0.get(r, 0.0) for r in vcpu1}
         time.sleep(1.5)  # one more self-timing write
-        own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if mode == "plugin" else {}
+        own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if plugin else {}
     finally:
         srv.stop()
         if col:
@@ -198,6 +202,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16,
                     help="mean output tokens per request (uniform within +-50%%; default 16): longer outputs, more "
                          "decode steps per request")
+    ap.add_argument("--plugin-b", metavar="KEY=VAL[,KEY=VAL]", default=None,
+                    help="also run the plugin with these environment variables (mode plugin-b), right after "
+                         "plugin in every round: an interleaved A/B of a setting (e.g. OTEL_BSP_SCHEDULE_DELAY=5000)")
     ap.add_argument("--collector-dir", type=Path, default=Path("/dev/shm"),
                     help="where the collector keeps its spool and store (default: tmpfs)")
     a = ap.parse_args()
@@ -206,20 +213,30 @@ def main() -> None:
     modes = [m for m in ("none", "vllm", "plugin", "sink") if m in a.modes.split(",")]
     if "plugin" not in modes:
         ap.error("--modes needs plugin (and none for the comparisons)")
+    plugin_b = None
+    if a.plugin_b:
+        try:
+            plugin_b = dict(kv.split("=", 1) for kv in a.plugin_b.split(","))
+        except ValueError:
+            ap.error(f"--plugin-b wants KEY=VAL[,KEY=VAL]: {a.plugin_b!r}")
+        modes.insert(modes.index("plugin") + 1, "plugin-b")
+        print(f"plugin-b: the plugin with {plugin_b}")
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for mode in results:
-                res = one(mode, Path(d) / f"{mode}-{r}", profile, a.collector_dir)
+                res = one(mode, Path(d) / f"{mode}-{r}", profile, a.collector_dir, plugin_b)
                 results[mode].append(res)
-                print(f"round {r + 1} {mode:<7} TTFT p50 {res['ttft_p50']:7.2f} ms  p99 {res['ttft_p99']:7.2f} ms  "
+                print(f"round {r + 1} {mode:<8} TTFT p50 {res['ttft_p50']:7.2f} ms  p99 {res['ttft_p99']:7.2f} ms  "
                       f"{res['throughput']:6.2f} req/s  collector {res['collector_cpu_s']:.2f} CPU-s", flush=True)
     med = {m: {k: statistics.median(x[k] for x in v) for k in ("ttft_p50", "ttft_p99", "throughput")}
            for m, v in results.items()}
     base = med.get("none")
     if base is not None:
         _compare(med, base)
-    _accounted(results, med)
+    for m in ("plugin", "plugin-b"):
+        if m in results:
+            _accounted(results, med, m)
     if base is not None:
         _outside(results, med)
     _saturated(results, a.rate)
@@ -253,17 +270,17 @@ def _compare(med: dict, base: dict) -> None:
           + (f"; vs vLLM's own tracing: TTFT p50 {p['ttft_p50'] / v['ttft_p50'] - 1:+.1%} (target within 1%)" if v else ""))
 
 
-def _accounted(results: dict, med: dict) -> None:
+def _accounted(results: dict, med: dict, mode: str = "plugin") -> None:
     """The plugin's own accounting (TTFTSCOPE_SELF_TIMING), per role and per hook. A thread-CPU
     clock read is a system call, a few microseconds under this load: each process also times a
     hook that does nothing (``timing_floor``), and the net figures subtract that per call."""
-    print("\nthe plugin's own cost, accounted inside each vLLM process (median over rounds; hook bodies run on\n"
+    print(f"\n[{mode}] the plugin's own cost, accounted inside each vLLM process (median over rounds; hook bodies run on\n"
           "the serving threads, the export thread builds, encodes and posts the spans in the background;\n"
           "net = minus what timing a hook that does nothing costs in that process):")
-    roles = sorted({r for x in results["plugin"] for r in x["own"]})
+    roles = sorted({r for x in results[mode] for r in x["own"]})
     net_total, engine_net_per_step = 0.0, None
     for role in roles:
-        runs = [x for x in results["plugin"] if role in x["own"]]
+        runs = [x for x in results[mode] if role in x["own"]]
         vals = [x["own"][role] for x in runs]
 
         def per_run(v: dict, n: int) -> tuple[float, float, float]:
@@ -301,7 +318,7 @@ def _accounted(results: dict, med: dict) -> None:
     if engine_net_per_step is not None:
         print(f"  engine core hooks per engine step (accounted CPU, net): {engine_net_per_step:.1f} us [<= 3 us]")
     print(f"  all hooks together: {net_total:.0f} us per request (net) = "
-          f"{net_total / 1e3 / med['plugin']['ttft_p50']:.2%} of the plugin run's TTFT p50 even if every hook call "
+          f"{net_total / 1e3 / med[mode]['ttft_p50']:.2%} of the plugin run's TTFT p50 even if every hook call "
           f"sat on the first token's path")
 
 
@@ -327,8 +344,10 @@ def _outside(results: dict, med: dict) -> None:
                          ("export_sidecar", None), ("all+sidecars", None)):
         cells = "  ".join(f"{m} {per_req[m][role]:9.0f}" for m in results)
         add = per_req["plugin"][role] - per_req["none"][role]
+        add_b = (f"   plugin-b adds {per_req['plugin-b'][role] - per_req['none'][role]:+8.0f} us"
+                 if "plugin-b" in per_req else "")
         print(f"  {role:<14} us/request: {cells}   plugin adds {add:+8.0f} us"
-              + (f" [<= {budget} us]" if budget else ""))
+              + (f" [<= {budget} us]" if budget else "") + add_b)
     print("  (export_sidecar: the plugin's export processes, children of vLLM's but ttftscope's own: they build, "
           "encode and post the spans off vLLM's processes and GIL)")
     add_engine = per_req["plugin"]["engine_core"] - per_req["none"]["engine_core"]
