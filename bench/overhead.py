@@ -152,7 +152,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
     col = None
     sink = None
     plugin = mode in ("plugin", "plugin-b")
-    if mode in ("vllm", "plugin", "plugin-b"):
+    if plugin or mode == "vllm":
         cdir = Path(tempfile.mkdtemp(prefix=f"overhead-{mode}-", dir=collector_dir))
         col = CollectorProc(str(cdir / "store"), cdir / "spool", flush_interval=2.0, nice=19).start()  # the default
     if mode == "sink":
@@ -270,7 +270,7 @@ def _compare(med: dict, base: dict) -> None:
           + (f"; vs vLLM's own tracing: TTFT p50 {p['ttft_p50'] / v['ttft_p50'] - 1:+.1%} (target within 1%)" if v else ""))
 
 
-def _accounted(results: dict, med: dict, mode: str = "plugin") -> None:
+def _accounted(results: dict, med: dict, mode: str) -> None:
     """The plugin's own accounting (TTFTSCOPE_SELF_TIMING), per role and per hook. A thread-CPU
     clock read is a system call, a few microseconds under this load: each process also times a
     hook that does nothing (``timing_floor``), and the net figures subtract that per call."""
@@ -343,11 +343,10 @@ def _outside(results: dict, med: dict) -> None:
     for role, budget in (("api_server", None), ("engine_core", 20), ("worker", None), ("all", 100),
                          ("export_sidecar", None), ("all+sidecars", None)):
         cells = "  ".join(f"{m} {per_req[m][role]:9.0f}" for m in results)
-        add = per_req["plugin"][role] - per_req["none"][role]
-        add_b = (f"   plugin-b adds {per_req['plugin-b'][role] - per_req['none'][role]:+8.0f} us"
-                 if "plugin-b" in per_req else "")
-        print(f"  {role:<14} us/request: {cells}   plugin adds {add:+8.0f} us"
-              + (f" [<= {budget} us]" if budget else "") + add_b)
+        adds = "   ".join(f"{m} adds {per_req[m][role] - per_req['none'][role]:+8.0f} us"
+                           + (f" [<= {budget} us]" if budget and m == "plugin" else "")
+                           for m in ("plugin", "plugin-b") if m in per_req)
+        print(f"  {role:<14} us/request: {cells}   {adds}")
     print("  (export_sidecar: the plugin's export processes, children of vLLM's but ttftscope's own: they build, "
           "encode and post the spans off vLLM's processes and GIL)")
     add_engine = per_req["plugin"]["engine_core"] - per_req["none"]["engine_core"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -281,8 +282,6 @@ def test_the_sidecar_encodes_without_giving_its_gil_away(monkeypatch):
     class Discard:
         def export(self, body) -> bool:
             return True
-
-    import threading
 
     me, sleeps, sleep = threading.get_ident(), [], otel_setup.time.sleep
 

@@ -6,8 +6,9 @@ plugin state: the parent's role (an engine core that thought it was the API serv
 no engine adapter), an export processor whose thread did not survive the fork, the parent's
 exit hooks, its cold start already reported. Here the state is reset in the child at the fork,
 and ``register()`` runs when vLLM loads plugins in it (``EngineCore.__init__``,
-``WorkerBase.__init__``), before vLLM's own loader, which does nothing there. Only this plugin runs again: the other plugins' patches were
-inherited, and running them twice could wrap a method twice."""
+``WorkerBase.__init__``), before vLLM's own loader, which does nothing there. Only this plugin
+runs again: the other plugins' patches were inherited, and running them twice could wrap a
+method twice."""
 
 from __future__ import annotations
 
