@@ -63,7 +63,8 @@ def records(n: int, prompt: int, rng: random.Random) -> list[tuple]:
     q = DeferredSpans(tracer=None, max_queue=10**9, max_batch=10**9)
     RT.deferred = q
     st = E.EngineState()
-    sched = NS(requests={}, running=[1] * 8, waiting=[], max_num_running_reqs=256, block_size=16)
+    sched = NS(requests={}, running=[1] * 8, waiting=[], max_num_running_reqs=256, block_size=16,
+               _inflight_prefills=set())
     for i in range(n):
         tp = {"traceparent": f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-01",
               HANDOFF_HEADER: repr(time.time() - 0.001)}
@@ -74,7 +75,8 @@ def records(n: int, prompt: int, rng: random.Random) -> list[tuple]:
         sched.requests[r.request_id] = r
         E._on_add(r, time.time())
         r.num_computed_tokens = prompt
-        out = NS(num_scheduled_tokens={r.request_id: prompt, "d": 1}, scheduled_new_reqs=[NS(req_id=r.request_id)],
+        out = NS(num_scheduled_tokens={r.request_id: prompt, "d": 1},
+                 scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)],
                  total_num_scheduled_tokens=prompt + 1)
         E._on_schedule(st, sched, out, time.time(), time.time())
         E._on_step_done(st, sched, out, time.time(), time.time())

@@ -131,12 +131,12 @@ def test_a_failing_step_hook_turns_the_step_hooks_off_and_never_reaches_vllm(mon
         monkeypatch.setattr(S, name, fn)
     monkeypatch.setattr(E, "ST", E.EngineState())
     E._install_scheduler()
-    me = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8)
+    me = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
     out = S.schedule(me)
     assert out is outputs[0] and out._ttftscope_step == 1, "a healthy step: stamped for the workers"
     assert S.update_from_output(me, out) == ("updated", out)
     assert len(E.ST.log) == 1, "and logged"
-    broken = SimpleNamespace(running=None, waiting=[], max_num_running_reqs=8)  # len(None) raises in the hook
+    broken = SimpleNamespace(running=None, waiting=[], max_num_running_reqs=8, _inflight_prefills=set())  # len(None) raises in the hook
     with caplog.at_level(logging.ERROR, logger="vllm.ttftscope"):
         for _ in range(3):
             out = S.schedule(broken)
@@ -160,7 +160,7 @@ def test_an_output_that_takes_no_attribute_goes_unstamped_and_the_step_is_still_
             self.scheduled_new_reqs, self.num_scheduled_tokens, self.total_num_scheduled_tokens = [], {"a": 1}, 1
 
     st = E.EngineState()
-    sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8)
+    sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
     for i in range(2):
         out = Slotted()
         E._on_schedule(st, sched, out, 1.0 + i, 1.001 + i)
@@ -294,11 +294,12 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
     req = NS(request_id="cmpl-1-0-deadbeef", external_req_id="cmpl-1-0", trace_headers=tp, num_computed_tokens=0,
              num_prompt_tokens=100, prompt_token_ids=list(range(100)), priority=0, prefill_stats=None)
-    sched = NS(requests={"cmpl-1-0-deadbeef": req}, running=[1, 2, 3], waiting=[], max_num_running_reqs=256, block_size=128)
+    sched = NS(requests={"cmpl-1-0-deadbeef": req}, running=[1, 2, 3], waiting=[], max_num_running_reqs=256, block_size=128,
+               _inflight_prefills=set())
 
     def step(t: float, tokens: dict, new=(), waiting=0, sch=0.001, exe=0.010, upd=0.002):
-        out = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r) for r in new],
-                 total_num_scheduled_tokens=sum(tokens.values()))
+        out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                 scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=sched.requests[r].num_computed_tokens) for r in new])
         sched.waiting = [0] * waiting
         for r, n in tokens.items():
             if r in sched.requests:
@@ -348,6 +349,105 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     assert alone[Attr.STEP] == 11 and alone[Attr.STEP_PREFILL_TOKENS] == 100 and alone[Attr.STEP_DECODE_TOKENS] == 1
 
 
+def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch):
+    """Unit level (real vLLM drives it in test_vllm_plugin.py and the truth tests): on the engine
+    loop the hooks keep references only — no request's prompt, trace headers or counts are read
+    there —, and the step-flush thread sorts out each step's prompt tokens from the output's own
+    snapshots, as vLLM's scheduler leaves them: a 2,049-token prompt in three chunks (1,024,
+    1,024, then a single token beside a decode), and a short prompt admitted with the second
+    chunk that finishes in that step (vLLM frees it and takes its prefill stats before the
+    hook runs) with 16 of its tokens from the prefix cache."""
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.otel_setup import DeferredSpans, expand
+    from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from ttftscope.schemas.vocabulary import Attr, SpanName
+
+    q = DeferredSpans(tracer=None)
+    monkeypatch.setattr(RT, "deferred", q)
+    on_loop, touched = [False], []
+    tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
+
+    class Req:  # vLLM's Request, as far as the hooks go; its per-request reads are watched
+        def __init__(self, rid: str, prompt: int, cached: int) -> None:
+            self.request_id, self.external_req_id, self.num_computed_tokens = rid, rid[:-9], cached
+            self._tp, self._toks = tp, list(range(prompt))
+            self.prefill_stats = NS(num_prompt_tokens=prompt, num_cached_tokens=cached)
+
+        def _read(self, what: str, value):
+            if on_loop[0]:
+                touched.append((self.request_id, what))
+            return value
+
+        trace_headers = property(lambda self: self._read("trace_headers", self._tp))
+        prompt_token_ids = property(lambda self: self._read("prompt_token_ids", self._toks))
+        num_prompt_tokens = property(lambda self: self._read("num_prompt_tokens", len(self._toks)))
+        priority = property(lambda self: self._read("priority", 0))
+
+    sched = NS(requests={}, running=[], waiting=[], max_num_running_reqs=8, block_size=16, _inflight_prefills=set())
+    st = E.EngineState()
+
+    def step(t: float, tokens: dict, new=(), finished=()) -> None:
+        """vLLM's schedule(): snapshots, then the requests advanced; update_from_output() frees
+        what finished; our hooks around both, on the 'loop'."""
+        for r in new:
+            sched.requests[r.request_id] = r
+            E._on_add(r, t - 0.05)
+        rq = sched.requests
+        cached_ids = [i for i in tokens if i not in {r.request_id for r in new}]
+        out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                 scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in new],
+                 scheduled_cached_reqs=NS(req_ids=cached_ids, num_computed_tokens=[rq[i].num_computed_tokens
+                                                                                 for i in cached_ids]))
+        for i, n in tokens.items():
+            r = rq[i]
+            r.num_computed_tokens += n
+            (sched._inflight_prefills.add if r.num_computed_tokens < len(r._toks) else sched._inflight_prefills.discard)(r)
+        on_loop[0] = True
+        E._on_schedule(st, sched, out, t, t + 0.001)
+        on_loop[0] = False
+        for i in finished:
+            rq.pop(i).prefill_stats = None
+        on_loop[0] = True
+        E._on_step_done(st, sched, out, t + 0.010, t + 0.011)
+        on_loop[0] = False
+
+    dec = Req("dec-0-deadbeef", 8, 0)
+    dec.num_computed_tokens = 9  # a running request, decoding
+    sched.requests[dec.request_id] = dec
+    long, short = Req("long-0-deadbeef", 2049, 0), Req("short-0-deadbeef", 40, 16)
+    step(1.0, {"long-0-deadbeef": 1024}, new=[long])
+    step(1.1, {"long-0-deadbeef": 1024, "short-0-deadbeef": 24}, new=[short], finished=["short-0-deadbeef"])
+    step(1.2, {"long-0-deadbeef": 1, "dec-0-deadbeef": 1})
+    step(1.3, {"long-0-deadbeef": 1, "dec-0-deadbeef": 1})  # decoding now
+    monkeypatch.setattr(E, "STALE_PREFILL_STEPS", 2)
+    gone = Req("gone-0-deadbeef", 3000, 0)
+    step(1.4, {"gone-0-deadbeef": 1024, "dec-0-deadbeef": 1}, new=[gone])
+    sched.requests.pop(gone.request_id)  # aborted mid-prefill
+    sched._inflight_prefills.discard(gone)
+    step(1.5, {"dec-0-deadbeef": 1})
+    step(1.6, {"dec-0-deadbeef": 1})
+    late = Req("late-0-deadbeef", 20, 0)
+    step(1.7, {"late-0-deadbeef": 20, "dec-0-deadbeef": 1}, new=[late])
+    assert touched == [], "no request's own fields read on the engine loop"
+    assert len(q) == 0, "nothing built on the loop: the steps wait in the log"
+    E.flush_decode_run(st)
+    spans = [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
+    pre = sorted((s[3][Attr.REQUEST_ID], s[3][Attr.CHUNK], s[3][Attr.STEP], s[3][Attr.TOKENS_COMPUTED],
+                  s[3][Attr.TOKENS_CACHED]) for s in spans if s[0] == SpanName.PREFILL)
+    assert pre == [("gone-0", 0, 5, 1024, 0), ("late-0", 0, 8, 20, 0), ("long-0", 0, 1, 1024, 0),
+                   ("long-0", 1, 2, 1024, 0), ("long-0", 2, 3, 1, 0), ("short-0", 0, 2, 24, 16)], pre
+    queued = sorted((s[3][Attr.REQUEST_ID], s[1], s[2]) for s in spans if s[0] == SpanName.QUEUE)
+    assert [q[0] for q in queued] == ["gone-0", "late-0", "long-0", "short-0"]
+    assert queued[2:] == [("long-0", 0.95, 1.0), ("short-0", pytest.approx(1.05), 1.1)]
+    steps = sorted((s[3][Attr.STEP], s[3].get(Attr.STEP_LAST), s[3][Attr.STEP_PREFILL_TOKENS],
+                    s[3][Attr.STEP_DECODE_TOKENS]) for s in spans if s[0] == SpanName.STEP)
+    assert steps == [(1, None, 1024, 0), (2, None, 1048, 0), (3, None, 1, 1), (4, 4, 0, 2),
+                     (5, None, 1024, 1), (6, 7, 0, 2), (8, None, 20, 1)], steps
+    assert st.chunks == {} and not st.after_prompt, "every prefill sorted out to its end, the aborted one let go"
+
+
 def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go_when_backed_up(monkeypatch):
     """Unit level, the engine adapter's admission (real vLLM drives it in test_vllm_plugin.py):
     add_request only stamps the request; its first schedule makes the intake span (the API
@@ -375,17 +475,19 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
         E._on_add(r, 10.0)
         return r
 
-    sched = NS(requests={}, running=[], waiting=[], max_num_running_reqs=4, block_size=16)
+    sched = NS(requests={}, running=[], waiting=[], max_num_running_reqs=4, block_size=16, _inflight_prefills=set())
 
     def step(t: float, reqs) -> list[tuple]:
         tokens = {r.request_id: 100 for r in reqs}
+        out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                 scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in reqs])
         for r in reqs:
             sched.requests[r.request_id] = r
             r.num_computed_tokens = 100
-        out = NS(num_scheduled_tokens=tokens, scheduled_new_reqs=[NS(req_id=r.request_id) for r in reqs],
-                 total_num_scheduled_tokens=sum(tokens.values()))
         E._on_schedule(st, sched, out, t, t + 0.001)
         E._on_step_done(st, sched, out, t + 0.01, t + 0.011)
+        with st.runs_lock:  # the step-flush thread sorts the step out
+            E.fold_steps(st)
         return [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
 
     r1, dropped = req(1), req(2, "00")
@@ -405,12 +507,15 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     for _ in range(4):  # the collector down: the export queue half full
         q.add("filler", 1.0, 2.0, {})
     r3 = req(3)
-    step_out = NS(num_scheduled_tokens={r3.request_id: 100}, scheduled_new_reqs=[NS(req_id=r3.request_id)],
+    step_out = NS(num_scheduled_tokens={r3.request_id: 100},
+                  scheduled_new_reqs=[NS(req_id=r3.request_id, num_computed_tokens=0)],
                   total_num_scheduled_tokens=100)
     sched.requests[r3.request_id] = r3
     r3.num_computed_tokens = 100
     E._on_schedule(st, sched, step_out, 12.0, 12.001)
     E._on_step_done(st, sched, step_out, 12.01, 12.011)
+    with st.runs_lock:
+        E.fold_steps(st)
     held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][5][0]]
     assert len(held) == 1 and held[0][6] is not None and held[0][6].toks == (), "hashed at once, the prompt let go"
 
@@ -561,7 +666,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
     def schedule(self, *a, **kw):  # vLLM's methods, standing in (no engine here)
         calls["schedule"] += 1
         tokens = {"a": 1, "b": 1}
-        new = [NS(req_id=r.request_id) for r in admit]
+        new = [NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in admit]
         for r in admit:
             tokens[r.request_id] = r.num_prompt_tokens
             r.num_computed_tokens = r.num_prompt_tokens
@@ -584,7 +689,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
     E._install_engine_input()
     me = S.__new__(S)  # a Scheduler instance with the attributes the hooks read
     mode = CompilationMode.NONE if eager_tp2 else CompilationMode.VLLM_COMPILE
-    me.__dict__.update(running=[1, 2], waiting=[], max_num_running_reqs=8, requests={}, block_size=16,
+    me.__dict__.update(running=[1, 2], waiting=[], max_num_running_reqs=8, requests={}, block_size=16, _inflight_prefills=set(),
                        vllm_config=NS(compilation_config=NS(mode=mode, cudagraph_mode=None),
                                       parallel_config=NS(tensor_parallel_size=2 if eager_tp2 else 1)))
     st = E.ST
@@ -696,7 +801,7 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
     else:
         setattr(Mine, override, own)
     me = Mine.__new__(Mine)
-    me.__dict__.update(running=[1], waiting=[], max_num_running_reqs=8, requests={}, block_size=16,
+    me.__dict__.update(running=[1], waiting=[], max_num_running_reqs=8, requests={}, block_size=16, _inflight_prefills=set(),
                        vllm_config=NS(compilation_config=NS(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=None),
                                       parallel_config=NS(tensor_parallel_size=1)))
     for _ in range(8):

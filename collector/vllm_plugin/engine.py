@@ -163,7 +163,8 @@ class _ChainOf:
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
-#: (step, t0, t1, prefill work (``_prefill_work``) or None, running, waiting)
+#: (step, t0, t1, admitted or None, running, waiting): admitted, for a step that may carry prompt
+#: tokens, is its new requests' ``(Request, PrefillStats)``; None for a decode-only step
 PendingStep = tuple
 
 
@@ -190,7 +191,14 @@ class DecodeRun:
 
 _RUN_FIELDS = operator.attrgetter(*DecodeRun.__slots__)  # the fields, in order (dataclass slots)
 
-#: decode steps logged between folds at most (~0.25 s of steps): a bound, never reached while
+#: a step that may have carried prompt tokens, as the engine loop logs it: (``PendingStep``, its
+#: SchedulerOutput, the scheduler, t_u0, t_u1, previous step's end); sorted out by ``_work_step``
+WorkStep = tuple
+
+#: a prefill in progress with no chunk for this many steps, its request gone from vLLM: let go
+STALE_PREFILL_STEPS = 1024
+
+#: steps logged between folds at most (~0.25 s of steps): a bound, never reached while
 #: the step-flush thread runs
 STEP_LOG_MAX = 16_384
 
@@ -208,10 +216,14 @@ RUN_SPLIT_IDLE_S = 0.002
 class EngineState:
     step: int = 0
     pending: dict[int, PendingStep] = field(default_factory=dict)
-    chunks: dict[str, int] = field(default_factory=dict)
+    #: prefills in progress (sorted out off the loop): request id -> (its next chunk's index, vLLM's
+    #: Request, the step of its last chunk)
+    chunks: dict[str, tuple] = field(default_factory=dict)
+    after_prompt: bool = False  # prompts in progress after the last step (vLLM's own set): the next step is kept
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
-    #: decode-only steps as the engine loop leaves them (``DecodeStep``; None: the open run ends
-    #: there), folded into runs off the loop (:func:`fold_steps`: the step-flush thread, every 0.25 s)
+    #: steps as the engine loop leaves them (``DecodeStep``, ``WorkStep``; None: the open run ends
+    #: there), sorted out and folded into runs off the loop (:func:`fold_steps`: the step-flush
+    #: thread, every 0.25 s)
     log: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG_MAX))
     runs_lock: threading.Lock = field(default_factory=threading.Lock)  # decode_run and the folding
     decode_run: DecodeRun | None = None
@@ -247,9 +259,14 @@ ST = EngineState()
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_cached_reqs", "attribute"),
                     Internal("vllm.v1.core.sched.output", "NewRequestData.req_id", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "NewRequestData.num_computed_tokens", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "CachedRequestData.req_ids", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "CachedRequestData.num_computed_tokens", "attribute"),
+                    Internal(_SCHED, "Scheduler._inflight_prefills", "attribute"),
+                    Internal(_REQ, "Request.request_id", "attribute"),
                     Internal(_REQ, "Request.trace_headers", "attribute"),
-                    Internal(_REQ, "Request.num_computed_tokens", "attribute"),
                     Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
                     Internal(_REQ, "Request.prompt_token_ids", "attribute"),
                     Internal(_REQ, "Request.priority", "attribute"),
@@ -398,9 +415,13 @@ def _on_add(request, now: float) -> None:
 
 @hot("schedule")
 def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
-    """Runs on the engine loop every step: a decode-only step (no new request, no prefill in
-    progress) costs a counter and a tuple; a step with prefill work gathers its chunks' plain
-    values (the spans are built on the export thread). Hot: its caller catches what it raises."""
+    """Runs on the engine loop every step, and keeps it to references and counters: a step
+    that may carry prompt tokens (new requests scheduled, or a prefill still in progress after
+    the step before: vLLM's own set of them) keeps its new requests' vLLM ``Request`` and
+    ``PrefillStats`` objects (vLLM frees a request finished in this step and takes its stats
+    when it reports them); which of its tokens were prompt tokens is sorted out off the loop,
+    from the output's own snapshots (:func:`_prefill_work`, on the step-flush thread). Hot:
+    its caller catches what it raises."""
     if st.gap_from:  # the first step watched after unobserved ones, since it was woken (``wake``)
         _unobserved(st, st.last_end)
     st.step = step = st.step + 1
@@ -410,35 +431,51 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
         except (AttributeError, TypeError):  # an output that takes no attribute: steps go unstamped
             st.stamp = False
     new = out.scheduled_new_reqs
-    work = _prefill_work(st, sched, out, new) if new or st.chunks else None
+    admitted = None
+    if new or st.after_prompt:
+        admitted = []
+        if new:
+            requests = sched.requests
+            for n in new:
+                r = requests.get(n.req_id)
+                if r is not None:
+                    admitted.append((r, r.prefill_stats))
+    st.after_prompt = bool(sched._inflight_prefills)  # prompts still in progress after this step
     pending = st.pending
-    pending[id(out)] = (step, t0, t1, work, len(sched.running), len(sched.waiting))
+    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting))
     if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 
 
-_REQ_ID = operator.attrgetter("req_id")
-
-
-def _prefill_work(st: EngineState, sched, out, new) -> tuple[list[Chunk], list[tuple]] | None:
-    """The prefill chunks of this step (``Chunk``), and the requests scheduled for the first
+def _prefill_work(st: EngineState, sched, out, admitted: list, step: int) -> tuple[list[Chunk], list[tuple]] | None:
+    """The prefill chunks of a step (``Chunk``), and the requests scheduled for the first
     time ``(queued at, input thread had it or None, request id, external id, priority, trace
-    headers)``; None when there are neither. Only a new request, or one whose prefill is still
-    in progress (in ``st.chunks``), can compute prompt tokens: no Python per running request.
-    One loop, calling nothing of ours but ``sampled`` (per new request, not per step)."""
+    headers)``; None when there are neither. Off the engine loop (the step-flush thread, in
+    step order): the tokens each request had computed before the step are the output's own
+    snapshots (``NewRequestData`` / ``CachedRequestData.num_computed_tokens``); a request's
+    later chunks are those of a request whose prefill is in progress (``st.chunks``)."""
     chunks, queued = [], []
     ns = out.num_scheduled_tokens
-    requests = sched.requests
     progress = st.chunks
-    ids = list(map(_REQ_ID, new))  # (a comprehension would be a frame of its own, per step with new requests)
+    before = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+    todo = [(r.request_id, r, ps, before.get(r.request_id)) for r, ps in admitted]
     if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
-        seen = set(ids)
-        ids += [r for r in progress if r not in seen]
-    for req_id in ids:
-        req = requests.get(req_id)
-        if req is None:
-            progress.pop(req_id, None)  # finished or aborted mid-prefill
-            continue
+        seen = {t[0] for t in todo}
+        c = out.scheduled_cached_reqs
+        cached = dict(zip(c.req_ids, c.num_computed_tokens, strict=False))
+        for req_id, (_, req, last) in list(progress.items()):
+            if req_id in seen:
+                continue
+            b = cached.get(req_id)
+            if b is None:
+                # aborted mid-prefill: vLLM has let it go and it has had no chunk for long (it is
+                # checked now, later than this step: a request gone now may still have chunks in
+                # steps logged after this one, but not after so long a gap)
+                if step - last > STALE_PREFILL_STEPS and req_id not in sched.requests:
+                    del progress[req_id]
+                continue
+            todo.append((req_id, req, None, b))
+    for req_id, req, ps, prior in todo:
         th = req.trace_headers
         if not sampled(th):
             continue
@@ -448,23 +485,22 @@ def _prefill_work(st: EngineState, sched, out, new) -> tuple[list[Chunk], list[t
             setattr(req, QUEUED, None)
             queued.append((q, getattr(req, RECEIVED, None), req_id, external, req.priority, th))
         n = ns.get(req_id)
-        if n is None:
+        if n is None or prior is None:
             continue
-        before = req.num_computed_tokens - n  # schedule() already advanced it
         prompt = req.num_prompt_tokens
-        if before >= prompt:  # not prompt tokens
+        if prior >= prompt:  # not prompt tokens
             continue
-        idx = progress.get(req_id, 0)
-        if before + n < prompt:
-            progress[req_id] = idx + 1
+        idx = progress[req_id][0] if req_id in progress else 0
+        if prior + n < prompt:
+            progress[req_id] = (idx + 1, req, step)
         elif idx:  # its last chunk
             del progress[req_id]
         if idx:
             chunks.append((req_id, n, 0, idx, th, external, None, None))
             continue
         toks = req.prompt_token_ids
-        ps = req.prefill_stats  # cached: vLLM's own count when it has one, else what was computed before
-        chunks.append((req_id, n, ps.num_cached_tokens if ps is not None and ps.num_prompt_tokens else max(before, 0),
+        # cached: vLLM's own count when it has one, else what was computed before
+        chunks.append((req_id, n, ps.num_cached_tokens if ps is not None and ps.num_prompt_tokens else max(prior, 0),
                        0, th, external, PrefixHashes(toks) if toks is not None and len(toks) >= PREFIX_BLOCK else None,
                        sched.block_size))
     return (chunks, queued) if chunks or queued else None
@@ -480,7 +516,9 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
     """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
     its anatomy is schedule [t0, t1], execute [t1, t_u0] (the workers, and with async
     scheduling the wait for them), update [t_u0, t_u1], and the idle time since the
-    previous step closed. Hot: its caller catches what it raises."""
+    previous step closed. One append to the step log either way (a decode step's numbers, or
+    a step that may carry prompt tokens with its output, sorted out off the loop:
+    ``WorkStep``). Hot: its caller catches what it raises."""
     p = st.pending.pop(id(out), None)
     prev_end = st.last_end
     st.last_end = t_u1
@@ -488,24 +526,24 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
         if st.gap_from:
             _unobserved(st, t_u1)
         return
-    if p[3] is None:
-        # a decode-only step: logged as it is (one append), merged into runs off the engine loop
-        # (fold_steps); requests waiting and nothing scheduled: no span, the open run ends
-        total = out.total_num_scheduled_tokens
-        waiting = p[5]
-        if total:
-            st.log.append((p[0], p[1], p[2], t_u0, t_u1, prev_end, total, p[4], waiting,
-                           sched.max_num_running_reqs if waiting else 0))
-        elif waiting:
-            st.log.append(None)
-        if not waiting and st.rest is not None:  # a quiet step: enough of them watched, rest
-            st.quiet_left -= 1
-            if st.quiet_left <= 0:
-                _rest(st, sched, t_u1)
+    if p[3] is not None:
+        st.log.append((p, out, sched, t_u0, t_u1, prev_end))
+        if st.rest is not None and not p[5] and not st.after_prompt and st.quiet_left <= 0:
+            _rest(st, sched, t_u1)  # the prompts are in, nobody waits: the steps to come are quiet
         return
-    _step_with_work(st, sched, out, t_u0, t_u1, p, prev_end)
-    if st.rest is not None and not p[5] and not st.chunks and st.quiet_left <= 0:
-        _rest(st, sched, t_u1)  # the prompts are in, nobody waits: the steps to come are quiet
+    # a decode-only step: logged as it is (one append), merged into runs off the engine loop
+    # (fold_steps); requests waiting and nothing scheduled: no span, the open run ends
+    total = out.total_num_scheduled_tokens
+    waiting = p[5]
+    if total:
+        st.log.append((p[0], p[1], p[2], t_u0, t_u1, prev_end, total, p[4], waiting,
+                       sched.max_num_running_reqs if waiting else 0))
+    elif waiting:
+        st.log.append(None)
+    if not waiting and st.rest is not None:  # a quiet step: enough of them watched, rest
+        st.quiet_left -= 1
+        if st.quiet_left <= 0:
+            _rest(st, sched, t_u1)
 
 
 def _may_rest(st: EngineState, sched) -> bool:
@@ -600,15 +638,25 @@ def _unobserved_attrs(engine: str) -> dict:
     return {Attr.ENGINE: engine}
 
 
-def _step_with_work(st: EngineState, sched, out, t_u0: float, t_u1: float, p: tuple, prev_end: float) -> None:
-    """A step with prefill work or requests first scheduled: its spans, built on the export thread."""
-    step, t0, t1, work, running, waiting = p
-    st.log.append(None)  # this step's spans stand alone: the open run ends before it
+def _work_step(st: EngineState, w: WorkStep):
+    """A step that may have carried prompt tokens, sorted out off the loop: with prefill work
+    or requests first scheduled, its spans (built on the export thread) and None (the open
+    run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
+    nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
+    (step, t0, t1, admitted, running, waiting), out, sched, t_u0, t_u1, prev_end = w
+    work = _prefill_work(st, sched, out, admitted, step)
+    total = out.total_num_scheduled_tokens
+    if work is None:
+        if total:
+            return (step, t0, t1, t_u0, t_u1, prev_end, total, running, waiting,
+                    sched.max_num_running_reqs if waiting else 0)
+        return None if waiting else ()
     d = RT.deferred  # several spans in one record: DeferredSpans.group
     if d is not None:
         d.group(_step_spans, (step, t0, t1, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting,
-                              out.total_num_scheduled_tokens, st.engine, prev_end,
-                              sched.max_num_running_reqs if waiting else None), _let_prompts_go)
+                              total, st.engine, prev_end, sched.max_num_running_reqs if waiting else None),
+                _let_prompts_go)
+    return None
 
 
 def _let_prompts_go(args: tuple) -> None:
@@ -646,8 +694,8 @@ def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work,
 
 
 def fold_steps(st: EngineState) -> None:
-    """Fold the decode steps the engine loop logged into runs, in order (with ``st.runs_lock``
-    held): consecutive decode-only steps merge into one run, all with nobody waiting or all with
+    """Fold the steps the engine loop logged, in order (with ``st.runs_lock`` held): a step
+    that may have carried prompt tokens is sorted out first (:func:`_work_step`); consecutive decode-only steps merge into one run, all with nobody waiting or all with
     requests waiting (then with the seats and how many steps held every one of them); a run ends
     where the other kind begins, where a waiting run's loop idled ``RUN_SPLIT_IDLE_S``, at a
     step with prefill work (a None in the log), and after 512 steps or a second."""
@@ -655,6 +703,10 @@ def fold_steps(st: EngineState) -> None:
     r = st.decode_run
     while log:
         d = log.popleft()
+        if d is not None and len(d) == 6:  # a WorkStep
+            d = _work_step(st, d)
+            if d == ():
+                continue
         if d is None:
             if r is not None:
                 _emit_run(r, engine)
