@@ -127,7 +127,7 @@ def _self_cost(before: dict, after: dict, requests: int) -> dict[str, dict]:
         r = out.setdefault(b["role"], {"hooks_s": 0.0, "hooks_wall_s": 0.0, "hook_calls": 0, "export_cpu_s": 0.0,
                                        "process_cpu_s": 0.0})
         for k in ("hooks_s", "hooks_wall_s", "hook_calls", "export_cpu_s", "process_cpu_s", "export_posts",
-                  "timing_cpu_s"):
+                  "timing_cpu_s", "background_cpu_s"):
             r[k] = r.get(k, 0.0) + b.get(k, 0.0) - a.get(k, 0.0)
         parts = r.setdefault("export_parts_s", {})
         for k, v in b.get("export_parts_s", {}).items():
@@ -143,7 +143,8 @@ def _self_cost(before: dict, after: dict, requests: int) -> dict[str, dict]:
         r["hooks_wall_us_per_req"] = r["hooks_wall_s"] / max(requests, 1) * 1e6
         r["us_per_hook_call"] = r["hooks_s"] / max(r["hook_calls"], 1) * 1e6
         r["export_us_per_req"] = r["export_cpu_s"] / max(requests, 1) * 1e6
-        r["share_of_cpu"] = (r["hooks_s"] + r["export_cpu_s"]) / max(r["process_cpu_s"], 1e-9)
+        r["background_us_per_req"] = r.get("background_cpu_s", 0.0) / max(requests, 1) * 1e6
+        r["share_of_cpu"] = (r["hooks_s"] + r["export_cpu_s"] + r.get("background_cpu_s", 0.0)) / max(r["process_cpu_s"], 1e-9)
     return out
 
 
@@ -299,9 +300,11 @@ def _accounted(results: dict, med: dict, mode: str) -> None:
         hw = statistics.median(v["hooks_wall_us_per_req"] for v in vals)
         ex = statistics.median(v["export_us_per_req"] for v in vals)
         sh = statistics.median(v["share_of_cpu"] for v in vals)
+        bg = statistics.median(v.get("background_us_per_req", 0.0) for v in vals)
         print(f"  {role:<12} hooks {net:7.1f} us/request CPU net (timing itself {floor:4.1f} us a call; wall "
               f"{hw:7.1f}, GIL waits and timing included)   export thread {ex:7.1f} us/request   "
-              f"{sh:6.2%} of the process's CPU")
+              f"{sh:6.2%} of the process's CPU" + (f"   step-flush thread {bg:6.1f} us/request (off the loop)"
+                                                   if bg else ""))
         if any(v.get("export_posts") for v in vals):  # where the export thread's CPU goes
             posts = statistics.median(v.get("export_posts", 0) for v in vals)
             split = ", ".join(f"{k} {statistics.median(v['export_parts_s'].get(k, 0.0) / x['completed'] * 1e6 for v, x in zip(vals, runs, strict=True)):.1f}"

@@ -275,23 +275,27 @@ ST = EngineState()
 def _install_scheduler() -> None:
     from vllm.v1.core.sched import scheduler as sched
 
-    def flush_idle() -> None:  # folds the logged decode steps; a run ends when the engine goes idle, too
+    def flush_idle() -> None:  # sorts out and folds the logged steps; a run ends when the engine goes idle, too
         from ..otel_setup import name_native_thread
 
         name_native_thread("ttftscope-flush")
         failed = False
+        timed = bool(RT.config.self_timing_dir)  # this thread's CPU, for the plugin's own accounting
         while True:
             time.sleep(0.25)
+            c0 = time.thread_time() if timed else 0.0
             try:
                 sample_quiet(ST, RT.config.quiet_steps)
                 flush_decode_run(ST, idle_s=0.25)
             except Exception:  # noqa: BLE001 - keep folding (the log is bounded either way)
                 if not failed:
                     failed = True
-                    log.exception("ttftscope: folding decode steps failed")
+                    log.exception("ttftscope: sorting out the logged steps failed")
                 with ST.runs_lock:
                     ST.log.clear()
                     ST.decode_run = None
+            if timed:
+                RT.background_s += time.thread_time() - c0
 
     S = sched.Scheduler
     orig_add, orig_schedule, orig_update = S.add_request, S.schedule, S.update_from_output

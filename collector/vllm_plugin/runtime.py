@@ -46,6 +46,7 @@ class Runtime:
     hooks_s: float = 0.0  # CPU of hook bodies (TTFTSCOPE_SELF_TIMING)
     hooks_wall_s: float = 0.0  # their wall time, GIL waits included
     hook_calls: int = 0
+    background_s: float = 0.0  # CPU of the plugin's step-flush thread (TTFTSCOPE_SELF_TIMING): steps sorted out off the loop
     per_hook: dict = field(default_factory=dict)  # hook name -> [calls, CPU seconds]
 
 
@@ -272,6 +273,7 @@ def self_timing_writer(role: str) -> None:
         return {"role": role, "pid": os.getpid(), "wall": time.time(), "process_cpu_s": time.process_time(),
                 "timing_cpu_s": mine,
                 "hooks_s": RT.hooks_s, "hooks_wall_s": RT.hooks_wall_s, "hook_calls": RT.hook_calls,
+                "background_cpu_s": RT.background_s,
                 "export_cpu_s": getattr(proc, "cpu_s", 0.0), "exported": getattr(proc, "exported", 0),
                 "export_parts_s": dict(getattr(proc, "cpu_parts", {})), "export_posts": getattr(proc, "posts", 0),
                 "per_hook": {k: list(v) for k, v in RT.per_hook.items()}}
