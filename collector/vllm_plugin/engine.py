@@ -5,7 +5,11 @@ cold start (ready once the KV cache is allocated).
 Quiet steps (decode only, nobody waiting, no prefill in progress: they cannot delay a first
 token) are sampled: after ``TTFTSCOPE_QUIET_STEPS`` of them the scheduler *rests* (vLLM's own
 methods bound on the instance shadow the wrappers: no Python of ours per step) until a request
-arrives or the next quarter second's sample; the stretch not watched is one ``unobserved`` span."""
+arrives or the next quarter second's sample; the stretch not watched is one ``unobserved`` span.
+
+On the engine loop the hooks keep plain numbers and references only; the plugin's step-flush
+thread (every 0.25 s) sorts the logged steps out — a step's prompt chunks, cached tokens, intake
+and queue from the scheduler output's own snapshots — and folds decode steps into runs."""
 
 from __future__ import annotations
 
@@ -699,10 +703,11 @@ def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work,
 
 def fold_steps(st: EngineState) -> None:
     """Fold the steps the engine loop logged, in order (with ``st.runs_lock`` held): a step
-    that may have carried prompt tokens is sorted out first (:func:`_work_step`); consecutive decode-only steps merge into one run, all with nobody waiting or all with
-    requests waiting (then with the seats and how many steps held every one of them); a run ends
-    where the other kind begins, where a waiting run's loop idled ``RUN_SPLIT_IDLE_S``, at a
-    step with prefill work (a None in the log), and after 512 steps or a second."""
+    that may have carried prompt tokens is sorted out first (:func:`_work_step`); consecutive
+    decode-only steps merge into one run, all with nobody waiting or all with requests waiting
+    (then with the seats and how many steps held every one of them); a run ends where the other
+    kind begins, where a waiting run's loop idled ``RUN_SPLIT_IDLE_S``, at a step with prefill
+    work, and after 512 steps or a second."""
     log, engine = st.log, st.engine
     r = st.decode_run
     while log:
