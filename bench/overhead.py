@@ -21,6 +21,8 @@ threads) per request, plugin on vs off, and the engine core's added cost per ste
 the budget: <= 100 us per request in all, <= 20 us per request and <= 3 us per step in the
 engine core. The plugin's export sidecars (collector.handoff: children of vLLM's processes
 that build, encode and post the spans) are reported on a row of their own, and with vLLM's.
+The plugin's own accounting (TTFTSCOPE_SELF_TIMING) gives each process's hooks per hook, its
+export thread and its step-flush thread (the engine core's steps sorted out off the loop).
 
 Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-dir DIR] [--rate 20]
        [--output-len 16]. The plugin as it was before quiet steps were sampled (every engine step
