@@ -145,8 +145,8 @@ def _self_cost(before: dict, after: dict, requests: int) -> dict[str, dict]:
         r["hooks_wall_us_per_req"] = r["hooks_wall_s"] / max(requests, 1) * 1e6
         r["us_per_hook_call"] = r["hooks_s"] / max(r["hook_calls"], 1) * 1e6
         r["export_us_per_req"] = r["export_cpu_s"] / max(requests, 1) * 1e6
-        r["background_us_per_req"] = r.get("background_cpu_s", 0.0) / max(requests, 1) * 1e6
-        r["share_of_cpu"] = (r["hooks_s"] + r["export_cpu_s"] + r.get("background_cpu_s", 0.0)) / max(r["process_cpu_s"], 1e-9)
+        r["background_us_per_req"] = r["background_cpu_s"] / max(requests, 1) * 1e6
+        r["share_of_cpu"] = (r["hooks_s"] + r["export_cpu_s"] + r["background_cpu_s"]) / max(r["process_cpu_s"], 1e-9)
     return out
 
 

@@ -180,7 +180,7 @@ class DeferredSpans:
     def group(self, build, args: tuple, shed=None) -> None:
         """Several spans' records, made by ``build(*args)`` on the export thread. ``shed``:
         called with ``args`` before they are queued when the queue is at least half full (the
-        collector down or slow), to let big things in them go (one call on vLLM's engine loop
+        collector down or slow), to let big things in them go (one call on the calling thread
         either way; before the append, so the export thread never sees them change)."""
         q = self._q
         if len(q) >= self.max_queue:

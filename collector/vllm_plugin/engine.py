@@ -53,7 +53,7 @@ _REQ = "vllm.v1.request"
 _INTAKE, _QUEUE, _PREFILL = Phase.INTAKE.value, Phase.QUEUE.value, Phase.PREFILL.value
 
 
-#: one request's prompt tokens computed in one step (a tuple: made on the engine loop):
+#: one request's prompt tokens computed in one step (a tuple: many are made per second):
 #: (request id, tokens computed, tokens from the prefix cache (first chunk only), chunk index,
 #: trace headers, external id (the client's, when vLLM keeps it) or None, ``PrefixHashes`` of
 #: the prompt (first chunk only) or None, the KV-cache block size (first chunk only: hits come
@@ -62,7 +62,7 @@ Chunk = tuple
 
 
 # Span attributes are built on the export thread (``DeferredSpans``' lazy ``(build, args)``):
-# the engine loop keeps the plain values these take.
+# the engine-core threads keep the plain values these take.
 
 def _intake_attrs(req_id: str, external: str | None, ipc_s: float | None) -> dict:
     attrs = {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _INTAKE}
@@ -101,8 +101,8 @@ def _step_attrs(step: int, prefill_tokens: int, total: int, running: int, waitin
 class PrefixHashes:
     """A prompt's prefix hashes, computed once when the span is encoded (``str()``, on the
     export thread): the chained hashes of its ``PREFIX_BLOCK``-token blocks (``chain``, up to
-    ``PREFIX_MAX_BLOCKS``), the first of them standing for the prompt's first block. The engine
-    loop keeps only a reference to vLLM's token list (which it does not change after the
+    ``PREFIX_MAX_BLOCKS``), the first of them standing for the prompt's first block. The step-flush
+    thread keeps only a reference to vLLM's token list (which it does not change after the
     request is created; a longer prompt's reachable blocks are copied, so a queued span never
     holds more); when the export queue is backed up (the collector down), :meth:`freeze`
     computes them at once and lets the list go. Token ids hash the same in every process."""
@@ -168,7 +168,7 @@ class _ChainOf:
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
 #: (step, t0, t1, admitted or None, running, waiting): admitted, for a step that may carry prompt
-#: tokens, is its new requests' ``(Request, PrefillStats)``; None for a decode-only step
+#: tokens, is its new requests' ``(NewRequestData, Request, PrefillStats)``; None for a decode-only step
 PendingStep = tuple
 
 
@@ -269,7 +269,6 @@ ST = EngineState()
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.req_ids", "attribute"),
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.num_computed_tokens", "attribute"),
                     Internal(_SCHED, "Scheduler._inflight_prefills", "attribute"),
-                    Internal(_REQ, "Request.request_id", "attribute"),
                     Internal(_REQ, "Request.trace_headers", "attribute"),
                     Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
                     Internal(_REQ, "Request.prompt_token_ids", "attribute"),
@@ -447,7 +446,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             for n in new:
                 r = requests.get(n.req_id)
                 if r is not None:
-                    admitted.append((r, r.prefill_stats))
+                    admitted.append((n, r, r.prefill_stats))
     st.after_prompt = bool(sched._inflight_prefills)  # prompts still in progress after this step
     pending = st.pending
     pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting))
@@ -465,8 +464,7 @@ def _prefill_work(st: EngineState, sched, out, admitted: list, step: int) -> tup
     chunks, queued = [], []
     ns = out.num_scheduled_tokens
     progress = st.chunks
-    before = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
-    todo = [(r.request_id, r, ps, before.get(r.request_id)) for r, ps in admitted]
+    todo = [(n.req_id, r, ps, n.num_computed_tokens) for n, r, ps in admitted]
     if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
         seen = {t[0] for t in todo}
         c = out.scheduled_cached_reqs
@@ -493,7 +491,7 @@ def _prefill_work(st: EngineState, sched, out, admitted: list, step: int) -> tup
             setattr(req, QUEUED, None)
             queued.append((q, getattr(req, RECEIVED, None), req_id, external, req.priority, th))
         n = ns.get(req_id)
-        if n is None or prior is None:
+        if n is None:
             continue
         prompt = req.num_prompt_tokens
         if prior >= prompt:  # not prompt tokens
