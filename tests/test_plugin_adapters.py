@@ -168,6 +168,39 @@ def test_an_output_that_takes_no_attribute_goes_unstamped_and_the_step_is_still_
     assert st.stamp is False and st.step == 2 and len(st.log) == 2
 
 
+@pytest.mark.parametrize("eager, tp, profile_every, stamped", [
+    (False, 1, 0, False), (False, 2, 0, False),  # vLLM's default (compiled): the workers time nothing per step
+    (True, 1, 0, False), (True, 2, 0, True),  # eager TP 2: collectives timed per call, under the step's number
+    (False, 1, 50, True),  # profiler windows: named by the step's number
+])
+def test_outputs_carry_the_step_number_only_where_the_workers_use_it(monkeypatch, eager, tp, profile_every, stamped):
+    """The engine-ready hook decides, once the engine's configuration is final, whether the
+    scheduler's outputs take our step number: an attribute written on the engine loop every
+    watched step (and pickled to every worker with TP > 1) is written only where the workers
+    time something under it; until then, every output is stamped."""
+    from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from vllm.config.compilation import CompilationMode
+
+    monkeypatch.setattr(E, "ST", E.EngineState())
+    monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, profile_every=profile_every))
+    sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
+
+    def one_step() -> SimpleNamespace:
+        out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+        E._on_schedule(E.ST, sched, out, 1.0, 1.001)
+        E._on_step_done(E.ST, sched, out, 1.010, 1.012)
+        return out
+
+    assert one_step()._ttftscope_step == 1, "before the engine is ready: stamped"
+    mode = CompilationMode.NONE if eager else CompilationMode.VLLM_COMPILE
+    core = SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(mode=mode, cudagraph_mode=None),
+                                                       parallel_config=SimpleNamespace(tensor_parallel_size=tp)))
+    E._decide_stamp(core)
+    out = one_step()
+    assert hasattr(out, "_ttftscope_step") is stamped and E.ST.step == 2, vars(out)
+
+
 @pytest.mark.parametrize("name, collective", [
     ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>(vllm::RankData*, vllm::RankSignals, ...)", True),
     ("void vllm::cross_device_reduce_2stage<half, 8>(...)", True),  # vLLM's custom all-reduce (NVLink TP)
@@ -736,6 +769,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
     steps(3)
     assert st.step == 9 and st.resting, "the step admitting it watched, the quiet ones after it not"
     assert calls == {"schedule": 20, "update": 20}
+    assert len(RT.deferred) == 0, "nothing made on the engine loop: the stretches too are spans made off it"
     with st.runs_lock:
         E.fold_steps(st)
     got = sorted(((r[0], r[1], r[2]) for r in expand(RT.deferred.take(len(RT.deferred)))), key=lambda r: r[1])

@@ -226,13 +226,13 @@ class EngineState:
     after_prompt: bool = False  # prompts in progress after the last step (vLLM's own set): the next step is kept
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
     #: steps as the engine loop leaves them (``DecodeStep``, ``WorkStep``; None: the open run ends
-    #: there), sorted out and folded into runs off the loop (:func:`fold_steps`: the step-flush
+    #: there; ``(start, end)``: a stretch of steps not watched), sorted out and folded into runs off the loop (:func:`fold_steps`: the step-flush
     #: thread, every 0.25 s)
     log: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG_MAX))
     runs_lock: threading.Lock = field(default_factory=threading.Lock)  # decode_run and the folding
     decode_run: DecodeRun | None = None
     last_end: float = 0.0  # when the previous step's update_from_output returned
-    stamp: bool = True  # the scheduler's output takes our step number (for the workers' spans)
+    stamp: bool = True  # the scheduler's output takes our step number (for the workers' spans; ``_decide_stamp``)
     # quiet steps (TTFTSCOPE_QUIET_STEPS): between samples the scheduler rests, running vLLM's own
     # methods (instance attributes that shadow our wrappers), and nothing of ours runs per step
     rest: tuple | None = None  # vLLM's (schedule, update_from_output); None: every step observed
@@ -310,11 +310,17 @@ def _install_scheduler() -> None:
 
     floor = timing_floor if RT.config.self_timing_dir else None
     live = [True]  # the step hooks (hot: no guard of their own): off, logged once, if one raises
+    live_add = [True]  # the same for add_request's
     clock = time.time
 
     @functools.wraps(orig_add)
     def add_request(self, request):
-        _on_add(request, clock())
+        if live_add[0]:
+            try:
+                _on_add(request, clock())
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server
+                live_add[0] = False
+                log.exception("ttftscope: hook add_request failed and is now disabled")
         return orig_add(self, request)
 
     def broken(hook: str) -> None:
@@ -350,10 +356,14 @@ def _install_scheduler() -> None:
     ST.wrappers = (schedule, update_from_output)
 
 
-@adapter("engine-ready", roles=ENGINE, what="the engine core's cold start (process start -> KV cache allocated)",
+@adapter("engine-ready", roles=ENGINE, what="the engine core's cold start (process start -> KV cache allocated); "
+         "whether the workers need our step number",
          internals=[Internal("vllm.v1.engine.core", "EngineCore._initialize_kv_caches"),
                     Internal("vllm.v1.engine.core", "EngineCore.vllm_config", "attribute"),
-                    Internal("vllm.config.model", "ModelConfig.served_model_name", "attribute")])
+                    Internal("vllm.config.model", "ModelConfig.served_model_name", "attribute"),
+                    Internal("vllm.config.parallel", "ParallelConfig.tensor_parallel_size", "attribute"),
+                    Internal("vllm.config.compilation", "CompilationConfig.mode", "attribute"),
+                    Internal("vllm.config.compilation", "CompilationConfig.cudagraph_mode", "attribute")])
 def _install_engine_ready() -> None:
     # the plugin runs inside EngineCore.__init__, before it allocates the KV cache: the
     # end of that allocation is when the engine can serve
@@ -365,6 +375,7 @@ def _install_engine_ready() -> None:
     def init_kv(self, *a, **kw):
         r = orig_kv(self, *a, **kw)
         _name_model(self)
+        _decide_stamp(self)
         emit_process_ready(ProcessRole.ENGINE_CORE.value)
         return r
 
@@ -374,6 +385,21 @@ def _install_engine_ready() -> None:
 @guard("engine-model")
 def _name_model(core) -> None:
     set_model(core.vllm_config.model_config.served_model_name)
+
+
+@guard("engine-steps")
+def _decide_stamp(core) -> None:
+    """Whether the scheduler's outputs carry our step number to the workers: only where they
+    time something per step under it (:func:`~.worker.workers_number_steps`); elsewhere (vLLM's
+    default compiled mode without profiler windows) that is an attribute written on the engine
+    loop every watched step, and pickled to every worker with TP > 1, for nothing. Decided once
+    the engine's configuration is final (its KV cache allocated); until then, and if this fails,
+    every output is stamped."""
+    from .worker import model_runs_eagerly, workers_number_steps
+
+    cfg = core.vllm_config
+    ST.stamp = workers_number_steps(RT.config.profile_every, model_runs_eagerly(cfg),
+                                    cfg.parallel_config.tensor_parallel_size)
 
 
 #: the attribute the engine-input adapter leaves on vLLM's Request: when the input thread had it
@@ -389,20 +415,29 @@ def _install_engine_input() -> None:
 
     orig = core.EngineCore.preprocess_add_request
 
+    live = [True]  # hot: no guard of its own; off, logged once, if it raises
+
     @functools.wraps(orig)
     def preprocess_add_request(self, request, *a, **kw):
         received = time.time()
         if ST.resting:  # a request for the engine: its steps are watched from now on (the step in
             _wake_for_request(ST, received)  # progress included, before this thread spends time on it)
         out = orig(self, request, *a, **kw)
-        _stamp_received(out, received)
+        if live[0]:
+            try:
+                _stamp_received(out, received)
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server
+                live[0] = False
+                log.exception("ttftscope: hook engine-input failed and is now disabled")
         return out
 
     core.EngineCore.preprocess_add_request = preprocess_add_request
 
 
-@guard("engine-input")
+@hot("engine-input")
 def _stamp_received(out, received: float) -> None:
+    """Once a request: when the engine core's input thread had it, on vLLM's Request (hot: its
+    caller catches what it raises)."""
     req = out[0] if isinstance(out, tuple) else out  # (Request, wave) in vLLM 0.32
     object.__setattr__(req, RECEIVED, received)
 
@@ -411,10 +446,11 @@ def _stamp_received(out, received: float) -> None:
 QUEUED = "_ttftscope_queued"
 
 
-@guard("add_request")
+@hot("add_request")
 def _on_add(request, now: float) -> None:
     """A request reaches the scheduler: when, stamped on vLLM's Request (one attribute; the
-    intake and queue spans are made when it is first scheduled, from what it carries)."""
+    intake and queue spans are made when it is first scheduled, from what it carries). Hot:
+    its caller catches what it raises."""
     setattr(request, QUEUED, now)
     if ST.resting:
         wake(ST, now)
@@ -635,9 +671,11 @@ def sample_quiet(st: EngineState, quiet_steps: int | None) -> None:
 
 
 def _unobserved(st: EngineState, end: float) -> None:
+    """The unobserved stretch closes at ``end``: logged as ``(start, end)`` (one append on the
+    engine loop), made a span off the loop (:func:`fold_steps`)."""
     start, st.gap_from = st.gap_from, 0.0
     if end > start:
-        span(SpanName.UNOBSERVED, start, end, (_unobserved_attrs, (st.engine,)))
+        st.log.append((start, end))
 
 
 def _unobserved_attrs(engine: str) -> dict:
@@ -710,8 +748,11 @@ def fold_steps(st: EngineState) -> None:
     r = st.decode_run
     while log:
         d = log.popleft()
-        if d is not None and len(d) == 6:  # a WorkStep
-            d = _work_step(st, d)
+        if d is not None and len(d) < 10:
+            if len(d) == 2:  # an unobserved stretch (the open run ended at the rest before it)
+                span(SpanName.UNOBSERVED, d[0], d[1], (_unobserved_attrs, (engine,)))
+                continue
+            d = _work_step(st, d)  # a WorkStep
             if d == ():
                 continue
         if d is None:
