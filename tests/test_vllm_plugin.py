@@ -47,7 +47,7 @@ def tp1(tmp_path_factory):
             ids["prefix"].append(srv.completion(shared + " " + prompt_of(20, 40 + i))["id"])
         srv.completion(prompt_of(20, 1), headers={"traceparent": f"00-{SAMPLED_TID}-{CLIENT_PARENT}-01"})
         unsampled = srv.completion(prompt_of(20, 2), headers={"traceparent": f"00-{UNSAMPLED_TID}-{CLIENT_PARENT}-00"})
-        col.wait_quiet()  # the plugin exports every 2 s; decode runs close after 0.25 s idle
+        col.wait_quiet()  # the plugin exports every 2 s; decode runs close after 0.25 s idle (folded every second)
         witness = {**srv.metrics(), "unsampled_prompt_tokens": unsampled["usage"]["prompt_tokens"],
                    "collector_metrics": requests.get(col.url + "/metrics", timeout=10).text}
     finally:
@@ -264,7 +264,7 @@ def test_tensor_parallel_2_eager_allreduce_from_both_ranks_linked_to_steps(tmp_p
     try:
         for i in range(3):
             srv.completion(prompt_of(200, i))
-        col.wait_quiet()  # the plugin exports every 2 s; decode runs close after 0.25 s idle
+        col.wait_quiet()  # the plugin exports every 2 s; decode runs close after 0.25 s idle (folded every second)
     finally:
         srv.stop()
     assert col.terminate() == 0

@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--slo", default=None, metavar="FILE|p50=..,p99=..", help="the SLO: a YAML file (every key: alerts/slo.example.yaml) or TTFT targets in ms, p50=350,p95=600,p99=800 (default)")
     rn.add_argument("--settle-s", type=float, default=None, metavar="S",
                     help="before reporting, wait until the store holds every completed request's spans or their "
-                         "count stands still this long (default: the plugin's export interval + the collector's "
-                         "default 2-s flush + 1.5 s); raise it for a collector with a longer --flush-interval")
+                         "count stands still this long (default: the plugin's export interval + its 1-s step fold + "
+                         "the collector's default 2-s flush + 1.5 s); raise it for a collector with a longer --flush-interval")
     rn.add_argument("--json", action="store_true")
 
     sw = sub.add_parser("sweep", help="restart vLLM over a grid of engine settings, same profile each, recommend one")

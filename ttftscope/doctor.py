@@ -86,7 +86,7 @@ def run_checks(store_url: str | None = None, *, check_collector: bool = True) ->
         out.append(Check("profiler windows", "info", f"every {cfg.profile_every}th worker step under torch.profiler"))
     out.append(Check("quiet steps", "info",
                      "every engine step watched (TTFTSCOPE_QUIET_STEPS=all)" if cfg.quiet_steps is None else
-                     f"{cfg.quiet_steps} per quarter second watched while the engine only decodes and nothing waits; "
+                     f"{cfg.quiet_steps} in a row a second watched while the engine only decodes and nothing waits; "
                      "every step around a request's arrival and prefill"))
     if check_collector:
         import requests

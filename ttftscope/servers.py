@@ -35,12 +35,13 @@ def spans_received(collector_url: str) -> float:
 def settle_quiet_s(env: dict | None = None) -> float:
     """How long no span may arrive before the plugin's exporters count as drained: longer than
     their export interval (``OTEL_BSP_SCHEDULE_DELAY`` in ``env``, default: this process's
-    environment, which the vLLM servers it starts inherit), with 1.5 s to spare for a decode
-    run closing and a loaded collector answering."""
-    from ttftscope.collector.vllm_plugin.config import PluginConfig
+    environment, which the vLLM servers it starts inherit) and the engine core's step-flush
+    period together (a decode run closing ends up to that much later), with 1.5 s to spare
+    for a loaded collector answering."""
+    from ttftscope.collector.vllm_plugin.config import FOLD_EVERY_S, PluginConfig
 
     cfg = PluginConfig.from_env(env)
-    return cfg.interval_s + 1.5
+    return cfg.interval_s + FOLD_EVERY_S + 1.5
 
 
 def wait_spans_settled(collector_url: str, quiet_s: float | None = None, timeout: float = 60) -> float:

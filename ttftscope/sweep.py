@@ -65,8 +65,9 @@ def record_loadtest(store, res: dict, labels: dict) -> None:
 
 def run_quiet_s() -> float:
     """How long the stored count of requests may stand still before `ttftscope run` stops waiting
-    for the rest: the plugin's export interval and 1.5 s to spare (:func:`settle_quiet_s`) plus the
-    collector's default flush interval (2 s), when a batch it received reaches the store."""
+    for the rest: the plugin's export interval, the engine core's step-flush period and 1.5 s to
+    spare (:func:`settle_quiet_s`) plus the collector's default flush interval (2 s), when a batch
+    it received reaches the store."""
     from ttftscope.servers import settle_quiet_s
 
     return settle_quiet_s() + 2.0

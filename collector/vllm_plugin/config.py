@@ -13,6 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"
+#: the engine core's step-flush thread's period (seconds): it sorts out and folds the steps the
+#: engine loop logged and takes the quiet-step sample. A thread's wake-up costs CPU whatever it
+#: then does (60 us idle, 97 with another thread running Python, on this VM: a thread that only
+#: sleeps and reads the clock), so four a second were about a third of that thread's CPU at 10
+#: requests a second. A step's spans wait up to this long (and a run's ``RUN_IDLE_S`` more)
+#: before the export queue sees them
+FOLD_EVERY_S = 1.0
 _OFF = ("0", "false", "no", "off")
 
 
@@ -84,11 +91,11 @@ class PluginConfig:
     #: and posts them (``collector.handoff``), not the serving process's export thread
     export_process: bool = True
     #: TTFTSCOPE_QUIET_STEPS: of the engine's quiet steps (decode only, nobody waiting, no prefill in
-    #: progress: steps that cannot delay a first token), how many are observed one by one per
-    #: quarter second; between those samples the scheduler runs unwrapped (no Python of ours per
+    #: progress: steps that cannot delay a first token), how many are observed one by one, in a
+    #: row, once a second; between those samples the scheduler runs unwrapped (no Python of ours per
     #: step) and the stretch is one ``unobserved`` span. ``all``: every step observed (as always
     #: when the workers number their steps: an eager model with TP > 1, or profiler windows)
-    quiet_steps: int | None = 2
+    quiet_steps: int | None = 8
     #: adapters switched off by name (TTFTSCOPE_DISABLE=a,b)
     disabled: frozenset[str] = field(default_factory=frozenset)
 
@@ -100,11 +107,11 @@ class PluginConfig:
             profile_every = max(int(env.get("TTFTSCOPE_PROFILE_EVERY", "0")), 0)
         except ValueError:
             profile_every = 0
-        quiet = env.get("TTFTSCOPE_QUIET_STEPS", "2").strip().lower()
+        quiet = env.get("TTFTSCOPE_QUIET_STEPS", str(cls.quiet_steps)).strip().lower()
         try:
             quiet_steps = None if quiet == "all" else max(int(quiet), 0)
         except ValueError:
-            quiet_steps = 2
+            quiet_steps = cls.quiet_steps
         return cls(
             enabled=env.get("TTFTSCOPE_ENABLED", "1").strip().lower() not in _OFF,
             endpoint=_endpoint(env),

@@ -5,10 +5,10 @@ cold start (ready once the KV cache is allocated).
 Quiet steps (decode only, nobody waiting, no prefill in progress: they cannot delay a first
 token) are sampled: after ``TTFTSCOPE_QUIET_STEPS`` of them the scheduler *rests* (vLLM's own
 methods bound on the instance shadow the wrappers: no Python of ours per step) until a request
-arrives or the next quarter second's sample; the stretch not watched is one ``unobserved`` span.
+arrives or the next second's sample; the stretch not watched is one ``unobserved`` span.
 
 On the engine loop the hooks keep plain numbers and references only; the plugin's step-flush
-thread (every 0.25 s) sorts the logged steps out — a step's prompt chunks, cached tokens, intake
+thread (every second, ``FOLD_EVERY_S``) sorts the logged steps out — a step's prompt chunks, cached tokens, intake
 and queue from the scheduler output's own snapshots — and folds decode steps into runs."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ttftscope.schemas.vocabulary import (
 
 from .adapters import ENGINE, Internal, adapter
 from .coldstart import emit_process_ready
+from .config import FOLD_EVERY_S
 from .runtime import (
     RT,
     at_exit,
@@ -202,9 +203,12 @@ WorkStep = tuple
 #: a prefill in progress with no chunk for this many steps, its request gone from vLLM: let go
 STALE_PREFILL_STEPS = 1024
 
-#: steps logged between folds at most (~0.25 s of steps): a bound, never reached while
+#: steps logged between folds at most (a second of watched steps): a bound, never reached while
 #: the step-flush thread runs
 STEP_LOG_MAX = 16_384
+
+#: a run of decode steps ends (its span is made) once its last step closed this long ago
+RUN_IDLE_S = 0.25
 
 #: a decode-only step as the engine loop logs it (a tuple: one append per step): (step, t0, t1,
 #: t_u0, t_u1, previous step's end, tokens scheduled, running, waiting, seats or 0)
@@ -227,7 +231,7 @@ class EngineState:
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
     #: steps as the engine loop leaves them (``DecodeStep``, ``WorkStep``; None: the open run ends
     #: there; ``(start, end)``: a stretch of steps not watched), sorted out and folded into runs off the loop (:func:`fold_steps`: the step-flush
-    #: thread, every 0.25 s)
+    #: thread, every ``FOLD_EVERY_S``)
     log: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG_MAX))
     runs_lock: threading.Lock = field(default_factory=threading.Lock)  # decode_run and the folding
     decode_run: DecodeRun | None = None
@@ -236,7 +240,7 @@ class EngineState:
     # quiet steps (TTFTSCOPE_QUIET_STEPS): between samples the scheduler rests, running vLLM's own
     # methods (instance attributes that shadow our wrappers), and nothing of ours runs per step
     rest: tuple | None = None  # vLLM's (schedule, update_from_output); None: every step observed
-    quiet_left: int = 0  # quiet steps still to observe before resting (refilled every quarter second)
+    quiet_left: int = 0  # quiet steps still to observe before resting (refilled every sample)
     may_rest: bool | None = None  # decided once (``_may_rest``)
     wrappers: tuple = ()  # the class-level (schedule, update_from_output) wrappers the plugin installed
     resting: bool = False
@@ -285,11 +289,11 @@ def _install_scheduler() -> None:
         failed = False
         timed = bool(RT.config.self_timing_dir)  # this thread's CPU, for the plugin's own accounting
         while True:
-            time.sleep(0.25)
+            time.sleep(FOLD_EVERY_S)
             c0 = time.thread_time() if timed else 0.0
             try:
                 sample_quiet(ST, RT.config.quiet_steps)
-                flush_decode_run(ST, idle_s=0.25)
+                flush_decode_run(ST, idle_s=RUN_IDLE_S)
             except Exception:  # noqa: BLE001 - keep folding (the log is bounded either way)
                 if not failed:
                     failed = True
@@ -661,8 +665,9 @@ _wake_for_request = guard("wake")(wake)  # (the input thread's, called only whil
 
 
 def sample_quiet(st: EngineState, quiet_steps: int | None) -> None:
-    """Every quarter second (the step-flush thread): the next ``quiet_steps`` quiet steps are
-    watched, a sample of the engine's decode steps (their anatomy, the decode step period)."""
+    """Every ``FOLD_EVERY_S`` (the step-flush thread): the next ``quiet_steps`` quiet steps are
+    watched in a row, a sample of the engine's decode steps (their anatomy, the decode step
+    period): one wake-up and one rest a second, however many steps the sample takes."""
     if st.rest is None or quiet_steps is None:
         return
     st.quiet_left = quiet_steps
