@@ -45,6 +45,7 @@ from .runtime import (
     set_model,
     span,
     timing_floor,
+    turn_off,
 )
 
 _SCHED = "vllm.v1.core.sched.scheduler"
@@ -323,13 +324,10 @@ def _install_scheduler() -> None:
             try:
                 _on_add(request, clock())
             except Exception:  # noqa: BLE001 - never let tracing hurt the server
-                live_add[0] = False
-                log.exception("ttftscope: hook add_request failed and is now disabled")
+                turn_off(live_add, "add_request")
         return orig_add(self, request)
 
-    def broken(hook: str) -> None:
-        live[0] = False
-        log.exception("ttftscope: hook %s failed and is now disabled (with the other step hook)", hook)
+    both = " (with the other step hook)"
 
     @functools.wraps(orig_schedule)
     def schedule(self, *a, **kw):
@@ -339,7 +337,7 @@ def _install_scheduler() -> None:
             try:
                 _on_schedule(ST, self, out, t0, clock())
             except Exception:  # noqa: BLE001 - never let tracing hurt the server
-                broken("schedule")
+                turn_off(live, "schedule", both)
         if floor is not None:
             floor(ST, self, out, t0, t0)
         return out
@@ -354,7 +352,7 @@ def _install_scheduler() -> None:
                 try:
                     _on_step_done(ST, self, scheduler_output, t_u0, clock())
                 except Exception:  # noqa: BLE001
-                    broken("step")
+                    turn_off(live, "step", both)
 
     S.add_request, S.schedule, S.update_from_output = add_request, schedule, update_from_output
     ST.wrappers = (schedule, update_from_output)
@@ -431,8 +429,7 @@ def _install_engine_input() -> None:
             try:
                 _stamp_received(out, received)
             except Exception:  # noqa: BLE001 - never let tracing hurt the server
-                live[0] = False
-                log.exception("ttftscope: hook engine-input failed and is now disabled")
+                turn_off(live, "engine-input")
         return out
 
     core.EngineCore.preprocess_add_request = preprocess_add_request

@@ -53,20 +53,26 @@ class Runtime:
 RT = Runtime(PluginConfig.from_env())  # configuration is read once, at import
 
 
+def turn_off(live: list, name: str, also: str = "") -> None:
+    """A hook raised: ``live[0] = False`` (its caller checks it before every call) and the
+    failure logged with its traceback, once. Call it in the ``except`` block that caught."""
+    live[0] = False
+    log.exception("ttftscope: hook %s failed and is now disabled%s", name, also)
+
+
 def guard(name: str):
     """Decorator for hook bodies: any exception disables that hook, logged once."""
     def deco(fn):
-        broken = [False]
+        live = [True]
 
         @functools.wraps(fn)
         def wrapper(*a, **kw):
-            if broken[0]:
+            if not live[0]:
                 return None
             try:
                 return fn(*a, **kw)
             except Exception:  # noqa: BLE001 - never let tracing hurt the server
-                broken[0] = True
-                log.exception("ttftscope: hook %s failed and is now disabled", name)
+                turn_off(live, name)
                 return None
 
         return _timed(name, wrapper)
@@ -76,8 +82,8 @@ def guard(name: str):
 def hot(name: str):
     """Decorator for hook bodies on the hottest paths (every engine step): no wrapper of its
     own, so nothing but the body runs — a call layer is several µs of CPU on a loop whose
-    caches the model's step has just emptied. Its caller catches what it raises (and turns
-    it off, logged once), as :func:`guard` would. Timed as guard's when self-timing is on."""
+    caches the model's step has just emptied. Its caller catches what it raises and turns it
+    off (:func:`turn_off`), as :func:`guard` would. Timed as guard's when self-timing is on."""
     def deco(fn):
         return _timed(name, fn)
     return deco
