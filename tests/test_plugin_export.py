@@ -478,3 +478,51 @@ def test_a_child_forked_mid_export_can_still_flush_and_exit():
         assert os.waitstatus_to_exitcode(status) == 0, (type(proc).__name__, held)
     p.shutdown()
     h.shutdown()
+
+
+def test_a_driven_export_posts_on_its_drivers_ticks_and_the_thread_only_for_a_full_batch(collector_factory):
+    """The engine core's step-flush thread wakes every second anyway: it drives the export
+    (``drive``/``tick``) so one thread wakes instead of two. The export thread then posts
+    nothing on a timer: a tick posts when the interval has passed since the last export, not
+    before; a full batch still wakes the export thread at once; every span arrives once. A
+    driver that wakes less often than the interval asks is turned down."""
+    import time
+
+    col = collector_factory().start()
+    resource = Resource.create({"service.name": "driven"})
+    poster = OtlpHttpPoster(col.url + "/v1/traces", timeout=5)
+    proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces", timeout=5), interval_s=0.3,
+                                     max_batch=8, poster=poster)
+    assert not BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces"), interval_s=0.3,
+                                         poster=poster).drive(1.0), "a driver slower than the interval"
+    deferred = DeferredSpans(None, resource, max_batch=8)
+    proc.add_source(deferred)
+    assert proc.drive(0.3)
+    time.sleep(0.5)  # the export thread's last timed wait ends (nothing queued yet)
+    for i in range(3):
+        deferred.add("ticked", 1_700_000_000.0 + i, 1_700_000_000.5 + i, {"i": i})
+    time.sleep(1.0)  # three intervals: a timer would have posted
+    assert (proc.posts, len(deferred)) == (0, 3), "no post without a tick"
+    proc.tick()
+    assert (proc.posts, proc.exported) == (1, 3), "the tick posted what was queued"
+    deferred.add("early", 1_700_000_010.0, 1_700_000_010.5, {"i": 0})
+    proc.tick()
+    assert proc.posts == 1, "the interval has not passed since the last export"
+    for i in range(8):  # a full batch: the export thread wakes for it
+        deferred.add("full", 1_700_000_020.0 + i, 1_700_000_020.5 + i, {"i": i})
+    deadline = time.monotonic() + 30
+    while proc.exported < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.posts >= 2 and proc.exported >= 9, (proc.posts, proc.exported)
+    proc.undrive()  # back to the thread's own timer
+    deadline = time.monotonic() + 30
+    while len(deferred) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(deferred) == 0 and proc.exported == 12 and proc.failed == 0, (proc.exported, proc.failed)
+    proc.shutdown()
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    rows = ttftscope_sql(col.store, "SELECT SpanName AS name, count() AS n, uniqExact(SpanAttributes['i']) AS u "
+                                    "FROM otel_traces WHERE ServiceName = 'driven' GROUP BY name")
+    assert {r["name"]: (int(r["n"]), int(r["u"])) for r in rows} == {"ticked": (3, 3), "early": (1, 1),
+                                                                      "full": (8, 8)}

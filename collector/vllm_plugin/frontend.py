@@ -12,7 +12,7 @@ from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, SpanName
 
 from .adapters import FRONTEND, Internal, adapter
 from .http import ACTIVE, RDV, emit_deliver, emit_receive, trace_id_of
-from .runtime import RT, guard, log, mono_to_wall, new_traceparent, sampled, span
+from .runtime import RT, hot, log, mono_to_wall, new_traceparent, sampled, span, turn_off
 
 _RENDER: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("ttftscope_render", default=None)
 
@@ -67,6 +67,7 @@ def _install_trace_context() -> None:
     from vllm.entrypoints.serve.engine import serving
 
     orig_headers = serving.BaseServing._get_trace_headers
+    live = [True]  # the tokenize hook (hot: no guard of its own): off, logged once, if it raises
 
     @functools.wraps(orig_headers)
     async def get_trace_headers(self, headers):
@@ -76,9 +77,14 @@ def _install_trace_context() -> None:
                 th = {**(th or {}), "traceparent": new_traceparent()}
             if sampled(th):  # the handoff to the engine core starts here: intake's start
                 th = {**th, HANDOFF_HEADER: repr(time.time())}
-            _emit_tokenize(th)
         except Exception:  # noqa: BLE001
             log.exception("ttftscope: trace header hook failed")
+            return th
+        if live[0]:
+            try:
+                _emit_tokenize(th)
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server
+                turn_off(live, "tokenize")
         return th
 
     serving.BaseServing._get_trace_headers = get_trace_headers
@@ -88,8 +94,9 @@ def _install_trace_context() -> None:
 _TOKENIZE_ATTRS = {Attr.PHASE: Phase.TOKENIZE.value}
 
 
-@guard("tokenize")
+@hot("tokenize")
 def _emit_tokenize(trace_headers) -> None:
+    """Once a request, on the event loop that serves the clients (hot: its caller catches)."""
     r = _RENDER.get()
     if r is None or not sampled(trace_headers):
         return
@@ -111,19 +118,25 @@ def _install_output() -> None:
     from vllm.v1.engine import output_processor as op
 
     orig_trace = op.OutputProcessor.do_tracing
+    live = [True]  # hot: no guard of its own; off, logged once, if it raises
 
     @functools.wraps(orig_trace)
     def do_tracing(self, engine_core_output, req_state, iteration_stats):
         if req_state.stats is None or iteration_stats is None:
             return None  # stats off (--disable-log-stats): vLLM would assert here
-        _emit_output(engine_core_output, req_state)
+        if live[0]:
+            try:
+                _emit_output(engine_core_output, req_state)
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server
+                turn_off(live, "output")
         return orig_trace(self, engine_core_output, req_state, iteration_stats)
 
     op.OutputProcessor.do_tracing = do_tracing
 
 
-@guard("output")
+@hot("output")
 def _emit_output(engine_core_output, req_state) -> None:
+    """A request's output reaches vLLM's tracing (once a request; hot: its caller catches)."""
     th = engine_core_output.trace_headers
     if not sampled(th):
         return

@@ -33,7 +33,7 @@ from ttftscope.schemas.phases import Phase
 from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from .adapters import FRONTEND, Internal, adapter
-from .runtime import RT, guard, log, new_traceparent, sampled, set_model, span, timing_floor
+from .runtime import RT, hot, log, new_traceparent, sampled, set_model, span, timing_floor, turn_off
 
 #: (received at, traceparent) of the HTTP request this task serves
 HTTP: contextvars.ContextVar[tuple[float, str] | None] = contextvars.ContextVar("ttftscope_http", default=None)
@@ -208,7 +208,11 @@ class ClientTTFTMiddleware:
                 st["empty"] += 1
             if first:
                 st["done"] = True
-                _on_first_bytes(t_recv, t_write, tp, st, scope.get("path", ""))
+                if LIVE[0]:
+                    try:
+                        _on_first_bytes(t_recv, t_write, tp, st, scope.get("path", ""))
+                    except Exception:  # noqa: BLE001 - never let tracing hurt a response
+                        turn_off(LIVE, "http")
                 if FLOOR[0] is not None:  # (self-timing only) what timing a hook costs here, to net it out
                     FLOOR[0]()
             return r
@@ -279,8 +283,13 @@ def _with_traceparent(scope) -> tuple[dict, str]:
     return {**scope, "headers": [*headers, (b"traceparent", tp.encode())]}, tp
 
 
-@guard("http")
+#: the http hook is on (hot: no guard of its own; off, logged once, if it raises)
+LIVE = [True]
+
+
+@hot("http")
 def _on_first_bytes(t_recv: float, t_written: float, tp: str, st: dict, path: str) -> None:
+    """A request's first token bytes were written (once a request; hot: its caller catches)."""
     if not sampled({"traceparent": tp}) or st["status"] != 200:
         return
     choice_at = st["choice_at"]

@@ -16,7 +16,7 @@ import os
 import time
 
 from .adapters import ENGINE, FRONTEND, WORKER, Internal, adapter
-from .runtime import RT, guard, log
+from .runtime import RT, hot, log, turn_off
 
 
 @adapter("vllm-tracer", roles=FRONTEND | ENGINE | WORKER,
@@ -97,7 +97,9 @@ def _install_request_span() -> None:
     scalars = frozenset((str, int, float, bool))
     current_span = trace.get_current_span
 
-    @guard("llm_request")
+    live = [True]  # hot: no guard of its own; off, logged once, if it raises
+
+    @hot("llm_request")
     def record(span_name, start_time, end_time, attributes, context) -> bool:
         sc = current_span(context).get_span_context()
         # every value a plain scalar (the types' set, in C: no Python per attribute)
@@ -108,9 +110,12 @@ def _install_request_span() -> None:
         return True
 
     def manual_instrument(span_name, start_time, end_time=None, attributes=None, context=None, kind=None):
-        if context is not None and kind is SpanKind.SERVER and record(span_name, start_time, end_time, attributes,
-                                                                      context):
-            return None
+        if context is not None and kind is SpanKind.SERVER and live[0]:
+            try:
+                if record(span_name, start_time, end_time, attributes, context):
+                    return None
+            except Exception:  # noqa: BLE001 - never lose vLLM's span over ours: it goes vLLM's own way
+                turn_off(live, "llm_request")
         return orig(span_name, start_time, end_time, attributes, context, kind)
 
     backends["otel"] = (*entry[:4], manual_instrument, *entry[5:])
