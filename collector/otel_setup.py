@@ -316,10 +316,6 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         #: records built and encoded, the post) and the posts made: TTFTSCOPE_SELF_TIMING reports them
         self.cpu_parts = {"sdk": 0.0, "encode": 0.0, "post": 0.0}
         self.posts = 0
-        self.cpu_s = 0.0  # the export's CPU time, this thread's and ``tick``'s (TTFTSCOPE_SELF_TIMING reports it)
-        self._driven = False  # ``drive``: another thread keeps the interval (``tick``)
-        self._tick_every = 0.0
-        self._due = 0.0  # (monotonic) the next export a ``tick`` makes
         self._t = threading.Thread(target=self._run, name="ttftscope-export", daemon=True)
         self._t.start()
         forked = weakref.WeakMethod(self._forked)  # (a processor let go is not kept for a fork)
@@ -469,48 +465,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     def _run(self) -> None:
         name_native_thread("ttftscope-exp")
+        self.cpu_s = 0.0  # this thread's CPU time (TTFTSCOPE_SELF_TIMING reports it)
         while not self._stop.is_set():
-            # driven: another thread's ``tick`` keeps the interval; this one wakes for a full batch
-            self._wake.wait(None if self._driven else self.interval_s)
+            self._wake.wait(self.interval_s)
             self._wake.clear()
             if time.monotonic() < self._hold_until:
                 continue
             t = time.thread_time()
             self._drain()
             self.cpu_s += time.thread_time() - t
-
-    def drive(self, every_s: float) -> bool:
-        """A thread of the process's own, which wakes every ``every_s`` anyway, calls :meth:`tick`
-        from now on and exports on time: the export thread then wakes only for a full batch (or
-        shutdown), one thread wake-up fewer a period (~60-100 us of CPU each on a small VM). Not
-        when that thread wakes less often than the interval asks (False: nothing changes)."""
-        if every_s > self.interval_s:
-            return False
-        self._tick_every = every_s
-        self._driven = True
-        self._wake.set()  # the export thread's timed wait ends: it waits untimed from now on
-        return True
-
-    def undrive(self) -> None:
-        """The export thread keeps the interval again (the driving thread could not)."""
-        self._driven = False
-        self._wake.set()
-
-    def tick(self) -> None:
-        """Called by the driving thread (:meth:`drive`) each time it wakes: an export, on that
-        thread, when the interval has passed since the last one it made (and the collector's
-        Retry-After has); it never waits for an export in flight on the export thread (a full
-        batch's): what that leaves goes at the next due tick."""
-        now = time.monotonic()
-        if self._stop.is_set():  # shut down: its own last drain took what was left
-            return
-        # a tick's own jitter must not push the export a whole tick late
-        if now < self._hold_until or now < self._due:
-            return
-        self._due = now + self.interval_s - self._tick_every / 2
-        t = time.thread_time()
-        self._drain(wait_s=0)
-        self.cpu_s += time.thread_time() - t
 
     def shutdown(self) -> None:
         if self._stop.is_set():

@@ -9,8 +9,7 @@ arrives or the next second's sample; the stretch not watched is one ``unobserved
 
 On the engine loop the hooks keep plain numbers and references only; the plugin's step-flush
 thread (every second, ``FOLD_EVERY_S``) sorts the logged steps out — a step's prompt chunks, cached tokens, intake
-and queue from the scheduler output's own snapshots —, folds decode steps into runs, and hands the spans
-to the export when its interval is due (``BoundedBatchSpanProcessor.drive``)."""
+and queue from the scheduler output's own snapshots — and folds decode steps into runs."""
 
 from __future__ import annotations
 
@@ -290,11 +289,6 @@ def _install_scheduler() -> None:
         name_native_thread("ttftscope-flush")
         failed = False
         timed = bool(RT.config.self_timing_dir)  # this thread's CPU, for the plugin's own accounting
-        # the export is due on this thread's wake-ups (one thread waking instead of two, and the
-        # spans just folded handed over while still in the caches); the export thread then wakes
-        # only for a full batch
-        proc = RT.processor
-        driven = proc is not None and hasattr(proc, "drive") and proc.drive(FOLD_EVERY_S)
         while True:
             time.sleep(FOLD_EVERY_S)
             c0 = time.thread_time() if timed else 0.0
@@ -310,13 +304,6 @@ def _install_scheduler() -> None:
                     ST.decode_run = None
             if timed:
                 RT.background_s += time.thread_time() - c0
-            if driven:  # (its CPU is the export's: the processor accounts it)
-                try:
-                    proc.tick()
-                except Exception:  # noqa: BLE001 - back to the export thread's own timer
-                    driven = False
-                    proc.undrive()
-                    log.exception("ttftscope: the step-flush thread could not export; the export thread does")
 
     S = sched.Scheduler
     orig_add, orig_schedule, orig_update = S.add_request, S.schedule, S.update_from_output
