@@ -17,8 +17,8 @@ DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"
 #: engine loop logged and takes the quiet-step sample. A thread's wake-up costs CPU whatever it
 #: then does (60 us idle, 97 with another thread running Python, on this VM: a thread that only
 #: sleeps and reads the clock), so four a second came to a third to a half of that thread's CPU at
-#: 10 requests a second (computed from that and the thread's measured total). A step's spans wait up to this long (and a run's ``RUN_IDLE_S`` more)
-#: before the export queue sees them
+#: 10 requests a second (computed from that and the thread's measured total). A step's spans wait
+#: up to this long (and a run's ``RUN_IDLE_S`` more) before the export queue sees them
 FOLD_EVERY_S = 1.0
 _OFF = ("0", "false", "no", "off")
 

@@ -75,6 +75,7 @@ class Rendezvous:
 
 RDV = Rendezvous()
 ACTIVE = [False]  # the middleware is installed: deliver ends at the bytes written
+LIVE = [True]  # the http hook is on (hot: no guard of its own; off, logged once, if it raises)
 #: TTFTSCOPE_SELF_TIMING: a hook that does nothing, timed once a request like the API server's
 #: hooks (the accounting's own cost in this process, which bench/overhead subtracts)
 FLOOR: list = [None]
@@ -281,10 +282,6 @@ def _with_traceparent(scope) -> tuple[dict, str]:
             return scope, v.decode("latin-1")
     tp = new_traceparent()
     return {**scope, "headers": [*headers, (b"traceparent", tp.encode())]}, tp
-
-
-#: the http hook is on (hot: no guard of its own; off, logged once, if it raises)
-LIVE = [True]
 
 
 @hot("http")
