@@ -11,6 +11,15 @@ import threading
 LOCK = threading.RLock()
 _SESSION = None
 
+#: chDB's session: in memory (its default), with ClickHouse's background memory worker ticking
+#: once a second instead of every 50 ms. That thread (``MemoryWorker``, at nice -20) reads the
+#: cgroup's memory use for the memory tracker on every tick, whether or not a query runs: 20
+#: wake-ups and ~3 ms of CPU a second in every process with an engine -- an idle collector or
+#: UI beside vLLM included, and 1.2 us a span of a fleet-fed collector's 15 (bench/ingest). A
+#: second is still what the tracker's limit needs here: our own queries are small and the
+#: collector bounds what it decodes itself.
+CONNECTION = ":memory:?memory_worker_period_ms=1000"
+
 
 def session():
     """The shared chDB session, started on first use (call with :data:`LOCK` held)."""
@@ -18,7 +27,7 @@ def session():
     if _SESSION is None:
         from chdb import session as chdb_session
 
-        _SESSION = chdb_session.Session()
+        _SESSION = chdb_session.Session(CONNECTION)
     return _SESSION
 
 

@@ -189,3 +189,42 @@ def test_a_load_test_result_is_stored_as_one_span_with_its_numbers(tmp_path):
     assert a[f"{Attr.LOADTEST}.priority.0.ttft_p99_ms"] == "30.5"
     assert a[f"{Attr.LOADTEST}.setting.max_num_seqs"] == "8" and r[ResourceAttr.RUN] == "r1"
     assert not any(k.endswith(".report") for k in a)
+
+
+_IDLE_ENGINE = r"""
+import os, time
+from ttftscope.schemas import engine
+with engine.LOCK:
+    engine.session().query("SELECT 1", "CSV")
+def wakeups():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = f.read()
+        except FileNotFoundError:
+            continue
+        n = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        out[name] = out.get(name, 0) + n
+    return out
+a = wakeups()
+time.sleep(3)
+b = wakeups()
+print(b.get("MemoryWorker", -1) - a.get("MemoryWorker", 0) if "MemoryWorker" in b else "absent")
+"""
+
+
+def test_an_idle_engine_wakes_about_once_a_second_not_twenty_times():
+    """chDB's ClickHouse runs a memory worker thread (nice -20) that reads the cgroup's memory
+    use on every tick, queries or none: by default every 50 ms, 20 wake-ups a second in every
+    process with an engine (an idle collector or UI beside vLLM). The product's engine ticks
+    once a second: counted by the kernel (the thread's voluntary context switches) over 3 s of
+    idling, in a process of its own."""
+    out = subprocess.run([PY, "-c", _IDLE_ENGINE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = out.stdout.strip().splitlines()[-1]
+    if got == "absent":  # a chDB without the worker (no cgroup or jemalloc source): nothing wakes
+        return
+    assert int(got) <= 8, f"the memory worker woke {got} times in 3 s of idling (50-ms ticks: ~60)"
