@@ -15,9 +15,9 @@ _SESSION = None
 #: once a second instead of every 50 ms. That thread (``MemoryWorker``, at nice -20) reads the
 #: cgroup's memory use for the memory tracker on every tick, whether or not a query runs: 20
 #: wake-ups and ~3 ms of CPU a second in every process with an engine -- an idle collector or
-#: UI beside vLLM included, and 1.2 us a span of a fleet-fed collector's 15 (bench/ingest). A
-#: second is still what the tracker's limit needs here: our own queries are small and the
-#: collector bounds what it decodes itself.
+#: UI beside vLLM included, and 1.0-1.4 us a span of a fleet-fed collector's ~15 (bench/ingest).
+#: The tracker counts allocations as they happen either way; the tick only resets it to the
+#: resident size and starts jemalloc's purge of freed pages past a threshold: a second late at most.
 CONNECTION = ":memory:?memory_worker_period_ms=1000"
 
 
