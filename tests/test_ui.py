@@ -209,3 +209,48 @@ def test_a_failed_background_refresh_keeps_the_last_answer_and_says_why():
     swr.get("t", (1,), analyse)
     swr.get("u", (1,), analyse)
     assert len(swr._slots) == 2, "LRU-bounded"
+
+
+def _wakeups(pid: int) -> int:
+    """Voluntary context switches of all of a process's threads (the kernel's count of its sleeps)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                n += int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
+        except FileNotFoundError:
+            continue
+    return n
+
+
+def test_a_ui_nobody_looks_at_stays_asleep(tmp_path):
+    """`ttftscope ui` with no viewer: streamlit's own command line polled each config.toml it
+    knows every 0.2 s on threads of their own (~70 wake-ups a second here, ~6 ms of CPU),
+    whatever `server.fileWatcherType` says; the UI takes its configuration from flags and
+    leaves those pollers out. What may wake it is the web server's 0.1-s tick (uvicorn's), so
+    at most ~25 wake-ups a second are allowed, counted by the kernel over 3 s."""
+    import psutil
+
+    port = free_port()
+    proc = subprocess.Popen([os.sys.executable, "-m", "ttftscope", "ui", "--store", str(tmp_path / "store"),
+                             "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.time() < deadline and proc.poll() is None, "`ttftscope ui` did not come up"
+            time.sleep(0.5)
+        time.sleep(2)  # start-up settled
+        (server,) = psutil.Process(proc.pid).children(recursive=True)
+        before = _wakeups(server.pid)
+        time.sleep(3)
+        woke = _wakeups(server.pid) - before
+        assert woke <= 75, f"an idle UI woke {woke} times in 3 s"
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)

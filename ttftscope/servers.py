@@ -181,11 +181,12 @@ def vllm(model: str, endpoint: str, run: str, workdir: Path, *, tp: int = 1, por
 
 
 def ui_command(store_url: str, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict]:
-    """The `streamlit run` command line and environment for the UI."""
+    """The `streamlit run` command line (without its config-file pollers: `dashboards/ui/serve.py`) and
+    environment for the UI."""
     import ttftscope.dashboards.ui as ui_pkg
 
     app = Path(ui_pkg.__file__).with_name("app.py")
-    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(port), "--server.address", host,
+    cmd = [sys.executable, "-m", "ttftscope.dashboards.ui.serve", "run", str(app), "--server.port", str(port), "--server.address", host,
            "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
            "--client.toolbarMode", "minimal"]  # no developer toolbar / Deploy button for viewers
     return cmd, {**os.environ, "TTFTSCOPE_STORE": store_url}
