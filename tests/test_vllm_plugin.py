@@ -221,8 +221,10 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
     # tests/truth/test_client_ttft.py::test_with_the_prefix_cache_off_the_misses_are_reported_with_their_size)
     r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
                         "--run", "tp1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "prefix_cache_misses" not in [f["kind"] for f in json.loads(r.stdout)["findings"]]
+    report = json.loads(r.stdout)
+    # exit 1 is the default SLO missed, which this VM's speed decides, not what is checked here
+    assert r.returncode == (1 if report["slo"]["violated"] else 0) and "Traceback" not in r.stderr, r.stderr
+    assert "prefix_cache_misses" not in [f["kind"] for f in report["findings"]]
 
 
 def test_queue_time_request_count_and_model_agree_with_vllms_own(tp1):
