@@ -18,7 +18,6 @@ Usage: python bench/idle.py [--rounds 3] [--seconds 10] [--only engine,ui,collec
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from support.procs import cpu_s, free_port  # noqa: E402
+from support.procs import cpu_s, free_port, wait_http, wakeups  # noqa: E402
 from ttftscope.servers import ui_command  # noqa: E402
 
 ENGINE = """
@@ -48,34 +47,11 @@ time.sleep(3600)
 """
 
 
-def wakeups(pid: int) -> int:
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                n += int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return n
-
-
 def measure(pid: int, seconds: float) -> tuple[float, float]:
     """(ms of CPU a second, wake-ups a second) of a live process over ``seconds``."""
     c0, w0 = cpu_s(pid), wakeups(pid)
     time.sleep(seconds)
     return (cpu_s(pid) - c0) * 1000 / seconds, (wakeups(pid) - w0) / seconds
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def run_engine(which: str, seconds: float) -> tuple[float, float]:
@@ -96,7 +72,7 @@ def run_ui(which: str, seconds: float, tmp: Path) -> tuple[float, float]:
         cmd[cmd.index("ttftscope.dashboards.ui.serve")] = "streamlit"
     p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_up(f"http://127.0.0.1:{port}/_stcore/health", p)
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", p, timeout=90)
         time.sleep(3)
         return measure(p.pid, seconds)
     finally:
@@ -110,7 +86,7 @@ def run_collector(seconds: float, tmp: Path) -> tuple[float, float]:
                           str(tmp / "spool"), "--listen", f"127.0.0.1:{port}"], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_up(f"http://127.0.0.1:{port}/healthz", p)
+        wait_http(f"http://127.0.0.1:{port}/healthz", p, timeout=90)
         deadline = time.time() + 120  # its compiled passes are built at start-up (seconds on a cold cache)
         while not requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json().get("compiled"):
             if time.time() > deadline:

@@ -58,6 +58,19 @@ def threads_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of all of a live process's threads: the kernel's count of
+    the times they went to sleep, so of their wake-ups (threads that have exited are not counted)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                n += int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
+        except FileNotFoundError:
+            continue
+    return n
+
+
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ from ttftscope.analyzer import Analyzer, Window, synth
 from ttftscope.schemas.store import open_store
 
 from support.browser import chrome, wait_rendered
+from support.procs import wait_http, wakeups
 
 APP = str(ROOT / "dashboards" / "ui" / "app.py")
 PAGES = ["views/breakdown.py", "views/requests.py", "views/gaps.py", "views/compare.py", "views/coldstart.py",
@@ -211,18 +212,6 @@ def test_a_failed_background_refresh_keeps_the_last_answer_and_says_why():
     assert len(swr._slots) == 2, "LRU-bounded"
 
 
-def _wakeups(pid: int) -> int:
-    """Voluntary context switches of all of a process's threads (the kernel's count of its sleeps)."""
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                n += int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
-        except FileNotFoundError:
-            continue
-    return n
-
-
 def test_a_ui_nobody_looks_at_stays_asleep(tmp_path):
     """`ttftscope ui` with no viewer: streamlit's own command line polled each config.toml it
     knows every 0.2 s on threads of their own (~70 wake-ups a second here, ~6 ms of CPU),
@@ -236,20 +225,12 @@ def test_a_ui_nobody_looks_at_stays_asleep(tmp_path):
                              "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.time() < deadline and proc.poll() is None, "`ttftscope ui` did not come up"
-            time.sleep(0.5)
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, timeout=90)
         time.sleep(2)  # start-up settled
         (server,) = psutil.Process(proc.pid).children(recursive=True)
-        before = _wakeups(server.pid)
+        before = wakeups(server.pid)
         time.sleep(3)
-        woke = _wakeups(server.pid) - before
+        woke = wakeups(server.pid) - before
         assert woke <= 75, f"an idle UI woke {woke} times in 3 s"
     finally:
         try:
