@@ -610,9 +610,13 @@ def decode(bodies: list) -> tuple[pa.Table, list[int]]:
     """The rows of the ``bodies`` this pass takes (``ARROW_SCHEMA``, in order of start time)
     and the indices of those it leaves to ``otlp_sql.decode_bodies``. Without numba, or before
     :func:`warm_up` has compiled the pass, every body is left."""
-    global _density
     if not bodies or not _ready:
         return ARROW_SCHEMA.empty_table(), list(range(len(bodies)))
+    return _decode(bodies)
+
+
+def _decode(bodies: list) -> tuple[pa.Table, list[int]]:
+    global _density
     buf, starts, ends = _one_buffer(bodies)
     ok = np.ones(len(bodies), dtype=np.uint8)
     cnt = np.zeros(6, dtype=np.int64)
@@ -699,9 +703,8 @@ def warm_up() -> bool:
     global _ready
     if not otlp_scan.warm_up():
         return False
-    try:
-        _ready = True
-        table, left = decode([_SAMPLE])
+    try:  # compiled first, then said ready: a flush meanwhile takes the chDB path, never numba's lock
+        table, left = _decode([_SAMPLE])
         _ready = not left and table.num_rows == 1
     except Exception:  # noqa: BLE001 - the chDB path stays
         _ready = False

@@ -103,22 +103,23 @@ def warm_up() -> bool:
         return False
     try:
         arr = pa.array([[("a", "1")]], pa.map_(pa.string(), pa.string()))
-        _compiled = True
-        _compiled = _lookups(arr, ("a",))["a"].to_pylist() == ["1"]
+        # compiled first, then used: a flush meanwhile takes the Arrow path, never numba's lock
+        _compiled = _lookups(arr, ("a",), compiled=True)["a"].to_pylist() == ["1"]
     except Exception:  # noqa: BLE001 - the Arrow path stays
         _compiled = False
         log.warning("cannot compile the phase metrics' lookup pass", exc_info=True)
     return _compiled
 
 
-def _lookups(col: pa.ChunkedArray | pa.Array, keys: tuple[str, ...]) -> dict[str, pa.Array]:
+def _lookups(col: pa.ChunkedArray | pa.Array, keys: tuple[str, ...], compiled: bool | None = None) -> dict[str, pa.Array]:
     """Each key's value in every row of a string map column ("" where absent or the map is null;
-    the first entry where a key repeats): one compiled pass over the entries for all keys."""
+    the first entry where a key repeats): one compiled pass over the entries for all keys
+    (``compiled``: whether to take it; by default once :func:`warm_up` has compiled it)."""
     if isinstance(col, pa.ChunkedArray):  # (one chunk as it is: combining copies it)
         arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     else:
         arr = col
-    if not _compiled or arr.type.key_type != pa.string():
+    if not (_compiled if compiled is None else compiled) or arr.type.key_type != pa.string():
         return _lookups_arrow(arr, keys)
     n = len(arr)
     ks = arr.keys  # the whole child: the map's offsets index it as they are

@@ -225,7 +225,7 @@ def test_concurrent_reads_while_writing(collector_factory):
     col = collector_factory().start()
     sender = Sender(col.url, per_batch=100)
     sender.start()
-    counts = []
+    counts, seen, t0 = [], [], time.monotonic()
     try:
         deadline = time.monotonic() + 30
         while col.metric("ttftscope_collector_spans_written_total") == 0 and time.monotonic() < deadline:
@@ -238,10 +238,13 @@ def test_concurrent_reads_while_writing(collector_factory):
             n, u = map(int, r.stdout.strip().splitlines()[-1].split(","))
             assert n == u, "a reader never sees a duplicate (atomic snapshots)"
             counts.append(n)
+            seen.append((round(time.monotonic() - t0, 2), n, col.metric("ttftscope_collector_spans_written_total"),
+                         len(sender.acked), sender.refused))
     finally:
         sender.stop.set()
         sender.join(15)
-    assert counts == sorted(counts) and counts[-1] > counts[0] > 0
+    why = f"(seconds, read, written, acked, refused): {seen}\n{col.output()[-2000:]}"
+    assert counts == sorted(counts) and counts[-1] > counts[0] > 0, why
     assert col.terminate() == 0
     assert len(_stored(col.store)) == len(sender.acked)
 

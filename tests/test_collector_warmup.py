@@ -1,0 +1,88 @@
+"""A collector's first seconds: its compiled passes are compiled (or loaded from numba's
+cache) on a thread of their own, and nothing else waits for them. Before this was so, the
+decode pass and the phase metrics' lookup pass said "ready" *before* compiling, so the
+flusher's first flush after that waited for numba's compiler lock — seconds on a fresh
+clone's cold cache, longer on a busy machine: the store stood still while requests were
+acknowledged (a clean clone's `test_concurrent_reads_while_writing` saw the same 700 spans
+in five reads in a row).
+
+Each case runs in a fresh process (nothing compiled there yet), holds numba's own compiler
+lock so that the warm-up is stuck in it for as long as the test wants, and then flushes:
+the flush must finish — by the paths that need no compiling — while the warm-up still waits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from ttftscope.collector import otlp_scan
+
+pytestmark = pytest.mark.skipif(not otlp_scan.available(), reason="numba is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    from pathlib import Path
+    from numba.core.compiler_lock import global_compiler_lock
+    from ttftscope.collector import otlp_compiled, otlp_scan, phase_metrics, service
+    from ttftscope.collector.metrics import CollectorMetrics
+    from ttftscope.collector.pipeline import Pipeline
+    from ttftscope.collector.spool import Spool
+    from ttftscope.schemas.store import open_store
+    from support.otlp import numbered_batch
+
+    tmp, stuck_in = Path(sys.argv[1]), sys.argv[2]
+    assert otlp_scan.warm_up()  # the receiver's pass (it flips its flag only once compiled)
+    if stuck_in == "phase metrics":
+        assert otlp_compiled.warm_up()
+    store = str(tmp / "store")
+    open_store(store).close()
+    spool = Spool(tmp / "spool", segment_age_s=0.0)
+    pipe = Pipeline(lambda: open_store(store), spool, CollectorMetrics())
+    pipe.submit_otlp(numbered_batch(0, 50), 50)
+
+    global_compiler_lock.acquire()  # the warm-up below compiles: it waits here until released
+    warm = threading.Thread(target=service._warm_up, daemon=True)
+    warm.start()
+
+    def waiting_for_the_compiler() -> bool:
+        f = sys._current_frames().get(warm.ident)
+        while f is not None:
+            if f.f_code.co_filename.endswith("compiler_lock.py") and f.f_code.co_name == "acquire":
+                return True
+            f = f.f_back
+        return False
+
+    while not waiting_for_the_compiler():
+        assert warm.is_alive(), "the warm-up finished without compiling anything"
+        time.sleep(0.01)
+    out = {}
+    flush = threading.Thread(target=lambda: out.update(written=pipe.flush_once()), daemon=True)
+    flush.start()
+    flush.join(60)  # a deadlock guard, not a speed limit: a flush that waits waits for the lock
+    out["flush_finished_while_the_warm_up_waited"] = not flush.is_alive() and waiting_for_the_compiler()
+    out["ready_flags"] = [otlp_compiled.ready(), phase_metrics._compiled]
+    global_compiler_lock.release()
+    flush.join(60)
+    warm.join(120)
+    out["ready_after"] = [otlp_compiled.ready(), phase_metrics._compiled]
+    out["stored"] = open_store(store).query("SELECT count() AS n FROM otel_traces")["n"][0]
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("stuck_in", ["decode", "phase metrics"])
+def test_a_flush_never_waits_for_the_compiler(tmp_path, stuck_in):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), stuck_in], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["flush_finished_while_the_warm_up_waited"], out
+    assert out["written"] == 50 and out["stored"] == 50, out
+    assert out["ready_flags"] == [stuck_in == "phase metrics", False], "nothing says ready before it is compiled"
+    assert out["ready_after"] == [True, True], "the warm-up finishes once the compiler is free"
