@@ -575,7 +575,9 @@ def _tables(caps, reuse: bool = True) -> tuple:
     have = getattr(_scratch, "tables", None) if reuse else None
     out = []
     for i, ((width, dtype), cap) in enumerate(zip(_SHAPES, caps[[0, 0, 1, 1, 4, 4, 2, 3]], strict=True)):
-        cap = int(cap)
+        # at least two rows: numba types a column-major table of 0 or 1 rows as row-major (it is
+        # both), a signature of its own that the flusher would stop to compile
+        cap = max(int(cap), 2)
         if have is not None and have[i].shape[0] >= cap:
             out.append(have[i])
             continue
@@ -700,12 +702,19 @@ def ready() -> bool:
 def warm_up() -> bool:
     """Compile (or load from numba's cache) this pass now; until then every body is left to
     ``otlp_sql``. True when it is in use."""
-    global _ready
+    global _ready, _density
     if not otlp_scan.warm_up():
         return False
     try:  # compiled first, then said ready: a flush meanwhile takes the chDB path, never numba's lock
         table, left = _decode([_SAMPLE])
-        _ready = not left and table.num_rows == 1
+        # and the count-then-fill path (more rows than the tables' guess: a guess of none, fresh
+        # tables), whose counting walk has a signature of its own
+        saved, _density, _scratch.tables = _density, np.zeros_like(_density), None
+        try:
+            many, many_left = _decode([_SAMPLE] * 64)
+        finally:
+            _density, _scratch.tables = saved, None
+        _ready = not left and table.num_rows == 1 and not many_left and many.num_rows == 64
     except Exception:  # noqa: BLE001 - the chDB path stays
         _ready = False
         otlp_scan.log.warning("cannot compile the OTLP decode pass; bodies are decoded by chDB", exc_info=True)
