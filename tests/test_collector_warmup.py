@@ -154,7 +154,7 @@ SIGNATURES = textwrap.dedent("""
     written = sum(flushed)
     after = signatures()
     gained = {k: v[len(before.get(k, [])):] for k, v in after.items() if len(v) > len(before.get(k, []))}
-    print(json.dumps({"gained": gained, "written": written,
+    print(json.dumps({"gained": gained, "written": written, "scan_in_use": otlp_scan._ready and not otlp_scan._broken,
                       "stored": int(open_store(store).query("SELECT count() AS n FROM otel_traces")["n"][0])}))
 """)
 
@@ -171,3 +171,4 @@ def test_after_the_warm_up_no_flush_or_check_compiles(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["written"] == out["stored"] > 0, out
     assert out["gained"] == {}, f"compiled after the warm-up: {out['gained']}"
+    assert out["scan_in_use"], "the arrival check (compiling disabled after its warm-up) met no type it lacked"
