@@ -122,7 +122,7 @@ SIGNATURES = textwrap.dedent("""
         req = otlp_request(5, ids=lambda i: (7000 + i, 7000 + i))
         sp = req.resource_spans[0].scope_spans[0].spans[0]
         sp.events.add().name = "an event"
-        sp.links.add().trace_id = b"\x07" * 16
+        sp.links.add().trace_id = b"\\x07" * 16
         return req.SerializeToString()
 
     tmp = Path(sys.argv[1])
@@ -163,8 +163,8 @@ def test_after_the_warm_up_no_flush_or_check_compiles(tmp_path):
     """Whatever a flush holds — many small bodies or one large one, bodies without any
     attribute, more rows than its tables' guess (the count-then-fill path) — it runs on what
     the warm-up compiled: a signature numba meets for the first time is compiled on the spot,
-    on the flusher (on a fresh install's cold cache that stood the store still for 6-7 s, ~11 s
-    after start, in a collector fed at full speed)."""
+    on the flusher (on a fresh install's cold cache that stood the store still for 6-9 s, ~10 s
+    after start, in a collector fed at full speed: bench/collector_first_seconds.py)."""
     r = subprocess.run([sys.executable, "-c", SIGNATURES, str(tmp_path)], capture_output=True, text=True,
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
