@@ -21,59 +21,43 @@ Usage: python bench/collector_first_seconds.py [--rounds 3] [--seconds 20]
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import requests
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from ttftscope.schemas import metrics as M  # noqa: E402
+
 from support.otlp import Sender  # noqa: E402
-from support.procs import free_port, wait_http  # noqa: E402
-
-
-def _metric(url: str, name: str) -> float:
-    for line in requests.get(url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+from support.procs import CollectorProc  # noqa: E402
 
 
 def one(cache: Path, seconds: float) -> tuple[float, float | None, int]:
     """(the longest stall in seconds, seconds until compiled or None, spans acknowledged)."""
     with tempfile.TemporaryDirectory() as d:
-        port = free_port()
-        env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
-        proc = subprocess.Popen([sys.executable, "-m", "ttftscope", "collect", "--store", f"{d}/store",
-                                 "--spool", f"{d}/spool", "--listen", f"127.0.0.1:{port}", "--flush-interval", "0.2"],
-                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
+        col = CollectorProc(f"{d}/store", Path(d) / "spool", env={"NUMBA_CACHE_DIR": str(cache)}).start()
         try:
-            wait_http(url + "/healthz", proc)
-            sender = Sender(url, per_batch=100)
+            sender = Sender(col.url, per_batch=100)
             sender.start()
             t0 = time.monotonic()
             compiled = None
             since, longest = (0.0, 0.0), 0.0
             while (now := time.monotonic() - t0) < seconds:
-                written = _metric(url, "ttftscope_collector_spans_written_total")
+                written = col.metric(f"{M.Collector.SPANS_WRITTEN}_total")
                 if written > since[1]:
                     since = (now, written)
                 longest = max(longest, now - since[0])
-                if compiled is None and requests.get(url + "/healthz", timeout=5).json().get("compiled"):
+                if compiled is None and col.compiled():
                     compiled = now
                 time.sleep(0.1)
             sender.stop.set()
             sender.join(15)
             return longest, compiled, len(sender.acked)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            col.terminate()
 
 
 def main() -> int:

@@ -25,11 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from support.procs import cpu_s, free_port, wait_http, wakeups  # noqa: E402
+from support.procs import CollectorProc, cpu_s, free_port, wait_http, wakeups  # noqa: E402
 from ttftscope.servers import ui_command  # noqa: E402
 
 ENGINE = """
@@ -81,22 +79,13 @@ def run_ui(which: str, seconds: float, tmp: Path) -> tuple[float, float]:
 
 
 def run_collector(seconds: float, tmp: Path) -> tuple[float, float]:
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "ttftscope", "collect", "--store", str(tmp / "cstore"), "--spool",
-                          str(tmp / "spool"), "--listen", f"127.0.0.1:{port}"], cwd=ROOT,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    col = CollectorProc(str(tmp / "cstore"), tmp / "spool", flush_interval=2.0).start()  # (its default interval)
     try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", p, timeout=90)
-        deadline = time.time() + 120  # its compiled passes are built at start-up (seconds on a cold cache)
-        while not requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json().get("compiled"):
-            if time.time() > deadline:
-                raise RuntimeError("the collector's compiled passes never came up")
-            time.sleep(0.5)
+        col.wait_compiled(120)  # its compiled passes are built at start-up (seconds on a cold cache)
         time.sleep(3)
-        return measure(p.pid, seconds)
+        return measure(col.proc.pid, seconds)
     finally:
-        p.terminate()
-        p.wait(60)
+        col.terminate()
 
 
 def main() -> int:

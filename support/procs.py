@@ -89,9 +89,10 @@ class CollectorProc:
     """``ttftscope collect`` as a real subprocess."""
 
     def __init__(self, store: str, spool: Path, port: int | None = None, extra: list[str] | None = None,
-                 flush_interval: float = 0.2, nice: int = 0):
+                 flush_interval: float = 0.2, nice: int = 0, env: dict[str, str] | None = None):
         self.store, self.spool = store, spool
         self.flush_interval, self.nice = flush_interval, nice
+        self.env = {**os.environ, **env} if env else None  # (None: this process's own)
         self.port = port or free_port()
         self.extra = extra or []
         self.proc: subprocess.Popen | None = None
@@ -106,10 +107,22 @@ class CollectorProc:
                "--listen", f"127.0.0.1:{self.port}", "--flush-interval", str(self.flush_interval), *self.extra]
         self._logf = open(self.log, "ab")
         nice = self.nice  # from birth, so every thread (and chDB's pool) inherits it
-        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
                                      preexec_fn=(lambda: os.nice(nice)) if nice else None)
         wait_http(self.url + "/healthz", self.proc)
         return self
+
+    def compiled(self) -> bool:
+        """Whether ``/healthz`` says its compiled passes are in use (built at start-up, on a thread
+        of their own: seconds on a cold numba cache)."""
+        return bool(requests.get(self.url + "/healthz", timeout=10).json().get("compiled"))
+
+    def wait_compiled(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.compiled():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the collector's compiled passes were not in use after {timeout:.0f} s")
+            time.sleep(0.5)
 
     def wait_quiet(self, quiet_s: float | None = None, timeout: float = 60) -> float:
         """Until no span has arrived for ``quiet_s`` (exporters drained; default: longer than the

@@ -25,25 +25,44 @@ pytestmark = pytest.mark.skipif(not otlp_scan.available(), reason="numba is not 
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SCRIPT = textwrap.dedent("""
+#: what both scripts start with: a flusher's pipeline over a fresh store (every segment due at
+#: once), and the spans a store holds
+PRELUDE = textwrap.dedent("""
     import json, sys, threading, time
     from pathlib import Path
-    from numba.core.compiler_lock import global_compiler_lock
     from ttftscope.collector import otlp_compiled, otlp_scan, phase_metrics, service
     from ttftscope.collector.metrics import CollectorMetrics
     from ttftscope.collector.pipeline import Pipeline
     from ttftscope.collector.spool import Spool
     from ttftscope.schemas.store import open_store
+
+    def pipeline(tmp: Path) -> tuple[Pipeline, str]:
+        store = str(tmp / "store")
+        open_store(store).close()
+        return Pipeline(lambda: open_store(store), Spool(tmp / "spool", segment_age_s=0.0), CollectorMetrics()), store
+
+    def stored(store: str) -> int:
+        return int(open_store(store).query("SELECT count() AS n FROM otel_traces")["n"][0])
+""")
+
+
+def _run(script: str, *args: str) -> dict:
+    """The prelude and ``script`` in a fresh process (nothing compiled there yet): its last line, as JSON."""
+    r = subprocess.run([sys.executable, "-c", PRELUDE + script, *args], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+SCRIPT = textwrap.dedent("""
+    from numba.core.compiler_lock import global_compiler_lock
     from support.otlp import numbered_batch
 
     tmp, stuck_in = Path(sys.argv[1]), sys.argv[2]
     assert otlp_scan.warm_up()  # the receiver's pass (it flips its flag only once compiled)
     if stuck_in == "phase metrics":
         assert otlp_compiled.warm_up()
-    store = str(tmp / "store")
-    open_store(store).close()
-    spool = Spool(tmp / "spool", segment_age_s=0.0)
-    pipe = Pipeline(lambda: open_store(store), spool, CollectorMetrics())
+    pipe, store = pipeline(tmp)
     pipe.submit_otlp(numbered_batch(0, 50), 50)
 
     global_compiler_lock.acquire()  # the warm-up below compiles: it waits here until released
@@ -71,17 +90,14 @@ SCRIPT = textwrap.dedent("""
     flush.join(60)
     warm.join(120)
     out["ready_after"] = [otlp_compiled.ready(), phase_metrics._compiled]
-    out["stored"] = open_store(store).query("SELECT count() AS n FROM otel_traces")["n"][0]
+    out["stored"] = stored(store)
     print(json.dumps(out))
 """)
 
 
 @pytest.mark.parametrize("stuck_in", ["decode", "phase metrics"])
 def test_a_flush_never_waits_for_the_compiler(tmp_path, stuck_in):
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), stuck_in], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run(SCRIPT, str(tmp_path), stuck_in)
     assert out["flush_finished_while_the_warm_up_waited"], out
     assert out["written"] == 50 and out["stored"] == 50, out
     assert out["ready_flags"] == [stuck_in == "phase metrics", False], "nothing says ready before it is compiled"
@@ -89,17 +105,11 @@ def test_a_flush_never_waits_for_the_compiler(tmp_path, stuck_in):
 
 
 SIGNATURES = textwrap.dedent("""
-    import json, sys, threading, time
-    from pathlib import Path
     import numba
     import numpy as np
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-    from ttftscope.collector import otlp_compiled, otlp_scan, otlp_wire, phase_metrics, service
-    from ttftscope.collector.metrics import CollectorMetrics
+    from ttftscope.collector import otlp_wire
     from ttftscope.collector.otlp import Limits, accept_protobuf
-    from ttftscope.collector.pipeline import Pipeline
-    from ttftscope.collector.spool import Spool
-    from ttftscope.schemas.store import open_store
     from support.otlp import numbered_batch, otlp_request, plugin_like_request
 
     def signatures() -> dict:
@@ -129,9 +139,7 @@ SIGNATURES = textwrap.dedent("""
     service._warm_up()
     assert otlp_compiled.ready() and phase_metrics._compiled, "the warm-up compiled both passes"
     before = signatures()
-    store = str(tmp / "store")
-    open_store(store).close()
-    pipe = Pipeline(lambda: open_store(store), Spool(tmp / "spool", segment_age_s=0.0), CollectorMetrics())
+    pipe, store = pipeline(tmp)
     shapes = {
         "plugin-like": [plugin_like_request(40, seed=i) for i in range(50)],
         "many small, the worst row guess": [numbered_batch(i, 3) for i in range(300)],
@@ -155,7 +163,7 @@ SIGNATURES = textwrap.dedent("""
     after = signatures()
     gained = {k: v[len(before.get(k, [])):] for k, v in after.items() if len(v) > len(before.get(k, []))}
     print(json.dumps({"gained": gained, "written": written, "scan_in_use": otlp_scan._ready and not otlp_scan._broken,
-                      "stored": int(open_store(store).query("SELECT count() AS n FROM otel_traces")["n"][0])}))
+                      "stored": stored(store)}))
 """)
 
 
@@ -165,10 +173,7 @@ def test_after_the_warm_up_no_flush_or_check_compiles(tmp_path):
     the warm-up compiled: a signature numba meets for the first time is compiled on the spot,
     on the flusher (on a fresh install's cold cache that stood the store still for 6-9 s, ~10 s
     after start, in a collector fed at full speed: bench/collector_first_seconds.py)."""
-    r = subprocess.run([sys.executable, "-c", SIGNATURES, str(tmp_path)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run(SIGNATURES, str(tmp_path))
     assert out["written"] == out["stored"] > 0, out
     assert out["gained"] == {}, f"compiled after the warm-up: {out['gained']}"
     assert out["scan_in_use"], "the arrival check (compiling disabled after its warm-up) met no type it lacked"
