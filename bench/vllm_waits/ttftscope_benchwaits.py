@@ -1,0 +1,102 @@
+"""A bench-only vLLM plugin (bench/overhead puts this directory on vLLM's PYTHONPATH in every
+mode, the plugin off as on): the CPU each vLLM process spends *waiting* for a message in
+vLLM's shared-memory queues (``MessageQueue.acquire_read`` until the message is there).
+
+vLLM's readers busy-wait there (``SpinCondition``: ``sched_yield`` in a loop for a second
+after each read): the engine core while its worker runs a step, the worker while the engine
+core schedules the next. That CPU grows with how long the other side takes in wall time —
+this VM's phase, anything else on its two cores — not with what the process does, so it is
+most of the run-to-run spread of the engine core's CPU per request measured from outside
+(py-spy on an idle-plugin engine core at 10 req/s: ~2/3 of its samples in that wait). The
+bench reports vLLM's processes with and without it.
+
+``TTFTSCOPE_BENCH_WAITS=DIR``: each process writes ``DIR/<pid>.json`` (``{"wait_cpu_s": ...}``)
+every half second. Unset: nothing is patched."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+class _Timed:
+    """``acquire_read``'s context manager, its ``__enter__`` (the wait) timed in thread CPU; a
+    wait in progress is seen by the writer too (its thread's CPU clock), so a file written
+    while the process idles holds every wait to then."""
+
+    __slots__ = ("cm",)
+
+    def __init__(self, cm) -> None:
+        self.cm = cm
+
+    def __enter__(self):
+        me = threading.get_ident()
+        t = time.thread_time()
+        _OPEN[me] = t
+        try:
+            return self.cm.__enter__()
+        finally:
+            dt = time.thread_time() - t
+            with _LOCK:
+                del _OPEN[me]
+                _WAIT[0] += dt
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
+
+
+_LOCK = threading.Lock()
+_WAIT = [0.0]  # the waits that ended
+_OPEN: dict[int, float] = {}  # thread -> its CPU clock when its wait in progress began
+
+
+def _total() -> float:
+    with _LOCK:
+        s = _WAIT[0]
+        for ident, t0 in _OPEN.items():
+            try:
+                s += time.clock_gettime(time.pthread_getcpuclockid(ident)) - t0
+            except OSError:  # the thread is gone
+                pass
+        return s
+
+
+def _write(out: str) -> None:
+    path = os.path.join(out, f"{os.getpid()}.json")
+    while True:
+        try:
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"pid": os.getpid(), "wait_cpu_s": _total()}, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        time.sleep(0.5)
+
+
+def register() -> None:
+    out = os.environ.get("TTFTSCOPE_BENCH_WAITS")
+    if not out:
+        return
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    orig = MessageQueue.acquire_read
+    if getattr(orig, "_benchwaits", False):  # (registered once a process)
+        return
+
+    def acquire_read(self, *a, **kw):
+        return _Timed(orig(self, *a, **kw))
+
+    acquire_read._benchwaits = True
+    MessageQueue.acquire_read = acquire_read
+    os.makedirs(out, exist_ok=True)
+
+    def start() -> None:
+        _WAIT[0] = 0.0
+        _OPEN.clear()
+        threading.Thread(target=_write, args=(out,), name="benchwaits", daemon=True).start()
+
+    os.register_at_fork(after_in_child=start)  # a forked worker: its own counts, its own file
+    start()
