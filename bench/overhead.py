@@ -21,10 +21,12 @@ threads) per request, plugin on vs off, and the engine core's added cost per ste
 the budget: <= 100 us per request in all, <= 20 us per request and <= 3 us per step in the
 engine core -- as measured, and less what vLLM's own queue readers spend busy-waiting
 (bench/vllm_waits, a bench-only vLLM plugin on the server's path in every mode): that wait is
-most of the worker's and the engine core's CPU here and moves with the VM's phase, which
-made the plain figure's run-to-run spread milliseconds a request. Each round is shown, with
-the spread of ``none``'s own rounds next to every difference. The plugin's export sidecars (collector.handoff: children of vLLM's processes
-that build, encode and post the spans) are reported on a row of their own, and with vLLM's.
+most of the worker's and the engine core's CPU here, and it grows with the wall time the other
+side takes, not with the process's work. Each round is shown, with the spread of ``none``'s
+own rounds next to every difference: on this VM it is milliseconds a request a process even
+less the waits (its speed moves the work itself), so a difference inside it is noise. The
+plugin's export sidecars (collector.handoff: children of vLLM's processes that build, encode
+and post the spans) are reported on a row of their own, and with vLLM's.
 The plugin's own accounting (TTFTSCOPE_SELF_TIMING) gives each process's hooks per hook, its
 export thread and its step-flush thread (the engine core's steps sorted out off the loop).
 
@@ -369,8 +371,8 @@ def _outside(results: dict, med: dict) -> None:
     """vLLM's processes' CPU per request from /proc, per mode: as measured, and less what vLLM's
     own queue readers spent busy-waiting (bench/vllm_waits). That wait grows with how long the
     other side of the queue takes in wall time (this VM's phase, the other processes on its two
-    cores), not with the process's work: it is most of the spread between rounds of the same
-    code, which the per-round rows and the ``none`` spread show."""
+    cores), not with the process's work. What is left still moves with this VM's speed from
+    round to round: the per-round rows and the spread of ``none``'s own rounds show how much."""
     print("\nCPU of every vLLM process, measured from outside (/proc, all threads), per request: the window is the "
           f"load and {SETTLE_S:g} s of idling after it (vLLM's\nqueue readers spin for 1 s after their last message); "
           "the plugin's self-timing writers (this bench's accounting, ~1 ms a write) subtracted.\n"

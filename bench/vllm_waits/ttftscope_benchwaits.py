@@ -5,10 +5,10 @@ vLLM's shared-memory queues (``MessageQueue.acquire_read`` until the message is 
 vLLM's readers busy-wait there (``SpinCondition``: ``sched_yield`` in a loop for a second
 after each read): the engine core while its worker runs a step, the worker while the engine
 core schedules the next. That CPU grows with how long the other side takes in wall time —
-this VM's phase, anything else on its two cores — not with what the process does, so it is
-most of the run-to-run spread of the engine core's CPU per request measured from outside
-(py-spy on an idle-plugin engine core at 10 req/s: ~2/3 of its samples in that wait). The
-bench reports vLLM's processes with and without it.
+this VM's phase, anything else on its two cores — not with what the process does, and it is
+most of their CPU here (bench/overhead at 10 req/s: 86-90 of the worker's ~105 ms a request,
+8-11 of the engine core's 13-16; py-spy on a plugin-off engine core: 99 of its main thread's
+154 samples waiting for the worker). The bench reports vLLM's processes with and without it.
 
 ``TTFTSCOPE_BENCH_WAITS=DIR``: each process writes ``DIR/<pid>.json`` (``{"wait_cpu_s": ...}``)
 every half second. Unset: nothing is patched."""
