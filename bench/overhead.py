@@ -408,7 +408,7 @@ def _outside(results: dict, med: dict) -> None:
                        for k in (*roles, "all", "export_sidecar", "all+sidecars")} for m, runs in results.items()}
         spread = {k: max(per_run(x, less)[k] for x in results["none"]) - min(per_run(x, less)[k] for x in results["none"])
                   for k in per_req["none"]}
-        print(f"  medians over rounds, {'less waits' if less else 'as measured'} (plugin minus none = what the plugin "
+        print(f"  medians over rounds, {'less waits' if less else 'as measured'} (a mode minus none = what it "
               f"adds; none's own spread over its {len(results['none'])} rounds in brackets: a difference inside it is "
               "noise):")
         for role, budget in (("api_server", None), ("engine_core", 20), ("worker", None), ("all", 100),
@@ -418,7 +418,7 @@ def _outside(results: dict, med: dict) -> None:
             cells = "  ".join(f"{m} {per_req[m][role]:9.0f}" for m in results)
             adds = "   ".join(f"{m} adds {per_req[m][role] - per_req['none'][role]:+8.0f} us"
                                + (f" [<= {budget} us]" if budget and m == "plugin" else "")
-                               for m in ("plugin", "plugin-b") if m in per_req)
+                               for m in ("vllm", "plugin", "plugin-b", "sink") if m in per_req)
             print(f"    {role:<14} us/request: {cells}   {adds}   (none's spread {spread[role]:.0f})")
         add_engine[less] = per_req["plugin"]["engine_core"] - per_req["none"]["engine_core"]
     print("  (export_sidecar: the plugin's export processes, children of vLLM's but ttftscope's own: they build, "
