@@ -103,20 +103,31 @@ def _role_of(p: psutil.Process) -> str:
     return "other"
 
 
-def _vllm_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (all threads, user + system, from /proc) of every vLLM process, by role:
-    the API server, its engine core and workers. Measured from outside, so it includes
-    everything the plugin adds (hooks, export threads, vLLM's own tracing it turns on)."""
-    out: dict[str, float] = {}
+def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """By role (the API server, its engine core and workers, the plugin's sidecars), from one walk
+    of vLLM's process tree: the CPU seconds of every process (all threads, user + system, from
+    /proc; measured from outside, so it includes everything the plugin adds: hooks, export
+    threads, vLLM's own tracing it turns on), and of them the seconds spent busy-waiting in
+    vLLM's queues (bench/vllm_waits' files in ``waits_dir``, one a process)."""
+    cpu: dict[str, float] = {}
+    roles: dict[int, str] = {}
     root = psutil.Process(pid)
     for p in [root, *root.children(recursive=True)]:
         try:
             t = p.cpu_times()
         except psutil.Error:
             continue
-        role = _role_of(p)
-        out[role] = out.get(role, 0.0) + t.user + t.system
-    return out
+        role = roles[p.pid] = _role_of(p)
+        cpu[role] = cpu.get(role, 0.0) + t.user + t.system
+    waits: dict[str, float] = {}
+    for f in waits_dir.glob("*.json"):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        role = roles.get(doc.get("pid"), "gone")
+        waits[role] = waits.get(role, 0.0) + doc.get("wait_cpu_s", 0.0)
+    return cpu, waits
 
 
 def _steps(url: str) -> float:
@@ -174,23 +185,6 @@ WAITS = Path(__file__).with_name("vllm_waits")
 SETTLE_S = 1.6
 
 
-def _vllm_waits(pid: int, d: Path) -> dict[str, float]:
-    """CPU seconds each vLLM process has spent waiting in vLLM's queues (bench/vllm_waits'
-    files, by role)."""
-    roles = {}
-    root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
-        roles[p.pid] = _role_of(p)
-    out: dict[str, float] = {}
-    for f in d.glob("*.json"):
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        role = roles.get(doc.get("pid"), "gone")
-        out[role] = out.get(role, 0.0) + doc.get("wait_cpu_s", 0.0)
-    return out
-
 
 def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: dict | None = None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
@@ -222,13 +216,12 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
         run_profile(srv.url, srv.model, Profile(num_prompts=20, request_rate=profile.request_rate, seed=99))  # warm
         time.sleep(SETTLE_S)
         cpu0, self0 = _cpu(col), _self_timing(tmp / "self")
-        vcpu0, steps0, waits0 = _vllm_cpu(srv.proc.pid), _steps(srv.url), _vllm_waits(srv.proc.pid, tmp / "waits")
+        (vcpu0, waits0), steps0 = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url)
         res = run_profile(srv.url, srv.model, profile)
         time.sleep(SETTLE_S)  # (also one more self-timing write)
         cpu = _cpu(col) - cpu0
-        vcpu1, steps = _vllm_cpu(srv.proc.pid), _steps(srv.url) - steps0
+        (vcpu1, waits1), steps = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url) - steps0
         vllm_cpu = {r: vcpu1[r] - vcpu0.get(r, 0.0) for r in vcpu1}
-        waits1 = _vllm_waits(srv.proc.pid, tmp / "waits")
         vllm_waits = {r: waits1[r] - waits0.get(r, 0.0) for r in waits1}
         own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if timed else {}
     finally:
@@ -405,18 +398,17 @@ def _outside(results: dict, med: dict) -> None:
         v["all+sidecars"] = v["all"] + v["export_sidecar"]
         return v
 
+    rows = {less: {m: [per_run(x, less) for x in runs] for m, runs in results.items()} for less in (False, True)}
     print("  per round, us/request as measured / less waits:")
     for m, runs in results.items():
-        for r, x in enumerate(runs):
-            a, b = per_run(x, False), per_run(x, True)
+        for r, (a, b, x) in enumerate(zip(rows[False][m], rows[True][m], runs, strict=True)):
             print(f"    {m:<8} round {r + 1}: " + "  ".join(f"{role} {a[role]:6.0f} / {b[role]:6.0f}" for role in roles)
                   + f"   TTFT p50 {x['ttft_p50']:.1f} ms")
     steps_per_req = statistics.median(x["steps"] / x["completed"] for x in results["plugin"])
     add_engine = {}
     for less in (False, True):
-        per_req = {m: {k: statistics.median(per_run(x, less)[k] for x in runs)
-                       for k in (*roles, "all", "export_sidecar", "all+sidecars")} for m, runs in results.items()}
-        spread = {k: max(per_run(x, less)[k] for x in results["none"]) - min(per_run(x, less)[k] for x in results["none"])
+        per_req = {m: {k: statistics.median(v[k] for v in vs) for k in vs[0]} for m, vs in rows[less].items()}
+        spread = {k: max(v[k] for v in rows[less]["none"]) - min(v[k] for v in rows[less]["none"])
                   for k in per_req["none"]}
         print(f"  medians over rounds, {'less waits' if less else 'as measured'} (a mode minus none = what it "
               f"adds; none's own spread over its {len(results['none'])} rounds in brackets: a difference inside it is "
