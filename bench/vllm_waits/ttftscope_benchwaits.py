@@ -6,9 +6,11 @@ vLLM's readers busy-wait there (``SpinCondition``: ``sched_yield`` in a loop for
 after each read): the engine core while its worker runs a step, the worker while the engine
 core schedules the next. That CPU grows with how long the other side takes in wall time —
 this VM's phase, anything else on its two cores — not with what the process does, and it is
-most of their CPU here (bench/overhead at 10 req/s: 86-90 of the worker's ~105 ms a request,
-8-11 of the engine core's 13-16; py-spy on a plugin-off engine core: 99 of its main thread's
-154 samples waiting for the worker). The bench reports vLLM's processes with and without it.
+most of their CPU here (bench/overhead at 10 req/s, three runs of three rounds of each mode on
+2026-12-05: 84.5-89.7 of the worker's 104.3-105.0 ms a request, 8.3-12.2 of the engine core's
+13.3-17.4; py-spy on a plugin-off engine core: 99 of its main thread's 154 samples waiting for
+the worker). The bench reports vLLM's processes with and without it. Its own cost, two clock
+reads and a lock a message (not measured apart), is paid alike in every mode.
 
 ``TTFTSCOPE_BENCH_WAITS=DIR``: each process writes ``DIR/<pid>.json`` (``{"wait_cpu_s": ...}``)
 every half second. Unset: nothing is patched."""
