@@ -6,13 +6,12 @@ prompt lengths) several ways, interleaved over --rounds so drift hits all alike:
   vllm    vLLM's own tracing only (--otlp-traces-endpoint at a running collector)
   plugin  the ttftscope plugin (which keeps vLLM's tracing on as well), as users run it
   accounted  the same with the plugin's own accounting on (TTFTSCOPE_SELF_TIMING): where its
-          CPU goes, hook by hook and thread by thread. That accounting is not free here: with it
-          on, this VM's worker (where no hook of ours runs at TP 1 compiled) did 2.3-3.1 ms more
-          model work a request than in `none` (medians of three runs of three rounds); without
-          it, -0.1 (into a discarding sink) and +0.4 (into the collector); TTFT p50 +18 % with
-          it and +6.6 % without in the run that had both (the cause is not pinned down) -- so
-          the plugin's TTFT and outside CPU figures come from `plugin`, and `accounted` gives
-          only the breakdown
+          CPU goes, hook by hook and thread by thread. It adds clock reads around every hook
+          and a writer thread in every process, so the plugin's TTFT and outside CPU figures
+          come from `plugin` and `accounted` gives only the breakdown. (In one session's three
+          runs, a slow phase of this VM, the worker did 2.3-3.1 ms more model work a request
+          with the accounting on; in four rounds the next session, a fast phase, -2.2 and
+          -2.8 ms: this VM's phases, not a cost of the accounting that was found)
   sink    the plugin exporting into a bare HTTP sink that discards (diagnostic: the plugin's
           own cost, without the collector's CPU on the same two cores)
 The collector would run on another machine in production; here it shares the two cores
