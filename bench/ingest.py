@@ -11,12 +11,13 @@ Measured in one run, on the same requests:
              written everything (not its exit), split by thread; its RSS sampled
   http fleet the same collector fed like a fleet of vLLM processes: many senders, each
              posting 20-50 spans every 0.5 s (target: <= 2x the bulk CPU per span), next to the
-             floor of that load (bench/http_floor.py: a server that only reads and answers); then
+             floor of that load (bench/http_floor.py: a server that only reads and answers; and
+             bench/http_floor.c, the same in C, where a C compiler is found); then
              the same span rate as the plugin sends it by default (80-200 spans every 2 s)
 
 Usage: python bench/ingest.py [--requests 100] [--spans-per-request 500] [--http-seconds 20]
        [--fleet-senders 40]. A 10-minute memory run: --http-seconds 600. Where a fleet's
-       request goes (the whole collector, its HTTP handling alone, the floor):
+       request goes (the whole collector, its HTTP handling alone, the floor, the floor in C):
        --fleet-anatomy ROUNDS.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,12 +130,26 @@ class Collector:
         return cpu, open_store(self.store).query("SELECT count() FROM otel_traces").item()
 
 
-class FloorServer:
-    """bench/http_floor.py in a process of its own, started and read like :class:`Collector`."""
+def compiled_floor(tmp: Path) -> Path | None:
+    """bench/http_floor.c built with the system's C compiler (once per ``tmp``); None without one."""
+    exe = tmp / "http_floor"
+    if not exe.exists():
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            return None
+        subprocess.run([cc, "-O2", "-o", str(exe), str(Path(__file__).with_name("http_floor.c"))], check=True)
+    return exe
 
-    def __init__(self, tmp: Path, name: str) -> None:
+
+class FloorServer:
+    """bench/http_floor.py (or, ``compiled``, bench/http_floor.c) in a process of its own,
+    started and read like :class:`Collector`."""
+
+    def __init__(self, tmp: Path, name: str, compiled: bool = False) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("http_floor.py")), str(self.port)])
+        cmd = ([str(compiled_floor(tmp))] if compiled
+               else [sys.executable, str(Path(__file__).with_name("http_floor.py"))])
+        self.proc = subprocess.Popen([*cmd, str(self.port)])
         self.url = f"http://127.0.0.1:{self.port}"
         wait_http(self.url + "/healthz", self.proc)
         time.sleep(0.5)
@@ -191,10 +207,11 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
 
 def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
                sizes: tuple[int, int] = (20, 50), name: str = "fleet",
-               floor: bool = False, http_only: bool = False) -> tuple[float, float, float, str]:
+               floor: bool | str = False, http_only: bool = False) -> tuple[float, float, float, str]:
     """(spans per collector CPU-second, spans/s offered, requests/s, CPU by thread) with many
     small senders, each posting ``sizes`` spans every ``every_s``. ``floor``: the same senders
-    against bench/http_floor.py instead (its CPU per request in the last place); ``http_only``:
+    against bench/http_floor.py instead (its CPU per request in the last place; ``"c"``:
+    bench/http_floor.c, the same floor compiled); ``http_only``:
     against bench/http_only.py (the collector's HTTP handling alone, nothing stored)."""
     # each sender's requests built before the clock starts, as the bulk case's are, so that the
     # senders spend their time on the two shared cores posting, not building protobuf (within this
@@ -207,7 +224,7 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
         counts = [rng.randint(*sizes) for _ in range(int(seconds / every_s) + 4)]
         plans.append([(n, otlp_request(n, seed=k * 1_000_000 + i)) for i, n in enumerate(counts)])
 
-    col = FloorServer(tmp, name) if floor else Collector(tmp, name, http_only=http_only)
+    col = FloorServer(tmp, name, compiled=floor == "c") if floor else Collector(tmp, name, http_only=http_only)
     sent = [0] * senders
     reqs = [0] * senders
     stop = threading.Event()
@@ -259,6 +276,9 @@ def anatomy(rounds: int, seconds: float, senders: int) -> None:
                   flush=True)
             _, _, rps, per_req = http_fleet(tmp, seconds, senders, name=f"floor{r}", floor=True)
             print(f"  floor server           {per_req} (bench/http_floor.py)", flush=True)
+            if compiled_floor(tmp) is not None:
+                _, _, rps, per_req = http_fleet(tmp, seconds, senders, name=f"cfloor{r}", floor="c")
+                print(f"  floor server, in C     {per_req} (bench/http_floor.c)", flush=True)
 
 
 def main() -> None:
@@ -301,6 +321,10 @@ def main() -> None:
         ff, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="floor", floor=True)
         print(f"           floor: a server that only reads each request and answers 200 (bench/http_floor.py), "
               f"same senders: {ff:,.0f} spans per CPU-second = {h / ff:.2f} x the bulk CPU per span ({per_req})")
+        if compiled_floor(tmp) is not None:
+            fc, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="cfloor", floor="c")
+            print(f"           the same floor in C (bench/http_floor.c: epoll, one thread): {fc:,.0f} spans per "
+                  f"CPU-second = {h / fc:.2f} x the bulk CPU per span ({per_req})")
         # the same span rate shaped as the plugin now sends it (OTEL_BSP_SCHEDULE_DELAY's default, 2 s): not the target's shape
         f2, offered2, rps2, fsplit2 = http_fleet(tmp, a.http_seconds, a.fleet_senders, every_s=2.0, sizes=(80, 200),
                                                  name="fleet-2s")
