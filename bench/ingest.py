@@ -24,6 +24,7 @@ Usage: python bench/ingest.py [--requests 100] [--spans-per-request 500] [--http
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import shutil
@@ -130,6 +131,7 @@ class Collector:
         return cpu, open_store(self.store).query("SELECT count() FROM otel_traces").item()
 
 
+@functools.cache
 def compiled_floor(tmp: Path) -> Path | None:
     """bench/http_floor.c built with the system's C compiler (once per ``tmp``); None without one."""
     exe = tmp / "http_floor"
