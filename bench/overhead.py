@@ -9,9 +9,9 @@ prompt lengths) several ways, interleaved over --rounds so drift hits all alike:
           CPU goes, hook by hook and thread by thread. It adds clock reads around every hook
           and a writer thread in every process, so the plugin's TTFT and outside CPU figures
           come from `plugin` and `accounted` gives only the breakdown. (In one session's three
-          runs, a slow phase of this VM, the worker did 2.3-3.1 ms more model work a request
-          with the accounting on; in four rounds the next session, a fast phase, -2.2 and
-          -2.8 ms: this VM's phases, not a cost of the accounting that was found)
+          runs the worker did 2.3-3.1 ms more model work a request with the accounting on; in
+          four rounds the next session -2.2 and -2.8 ms, inside the 10.8 ms that `none`'s own
+          rounds spread: not reproduced, no cost of the accounting on the model was found)
   sink    the plugin exporting into a bare HTTP sink that discards (diagnostic: the plugin's
           own cost, without the collector's CPU on the same two cores)
 The collector would run on another machine in production; here it shares the two cores
