@@ -184,7 +184,6 @@ WAITS = Path(__file__).with_name("vllm_waits")
 SETTLE_S = 1.6
 
 
-
 def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: dict | None = None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     waits = {"PYTHONPATH": os.pathsep.join(filter(None, [str(WAITS), os.environ.get("PYTHONPATH")])),

@@ -57,7 +57,7 @@ _OPEN: dict[int, float] = {}  # thread -> its CPU clock when its wait in progres
 def _total() -> float:
     with _LOCK:
         s = _WAIT[0]
-        for ident, t0 in _OPEN.items():
+        for ident, t0 in list(_OPEN.items()):  # (a copy: __enter__ adds to it without the lock)
             try:
                 s += time.clock_gettime(time.pthread_getcpuclockid(ident)) - t0
             except OSError:  # the thread is gone
@@ -96,6 +96,8 @@ def register() -> None:
     os.makedirs(out, exist_ok=True)
 
     def start() -> None:
+        global _LOCK
+        _LOCK = threading.Lock()  # a forked child's own: the parent's writer may have held it at the fork
         _WAIT[0] = 0.0
         _OPEN.clear()
         threading.Thread(target=_write, args=(out,), name="benchwaits", daemon=True).start()
