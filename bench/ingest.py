@@ -213,11 +213,11 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
 
 def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
                sizes: tuple[int, int] = (20, 50), name: str = "fleet",
-               floor: bool | str = False, http_only: bool = False) -> tuple[float, float, float, str]:
+               floor: str | None = None, http_only: bool = False) -> tuple[float, float, float, str]:
     """(spans per collector CPU-second, spans/s offered, requests/s, CPU by thread) with many
     small senders, each posting ``sizes`` spans every ``every_s``. ``floor``: the same senders
-    against bench/http_floor.py instead (its CPU per request in the last place; ``"c"``:
-    bench/http_floor.c, the same floor compiled); ``http_only``:
+    against a floor server instead (its CPU per request in the last place), ``"python"``
+    bench/http_floor.py or ``"c"`` bench/http_floor.c; ``http_only``:
     against bench/http_only.py (the collector's HTTP handling alone, nothing stored)."""
     # each sender's requests built before the clock starts, as the bulk case's are, so that the
     # senders spend their time on the two shared cores posting, not building protobuf (within this
@@ -280,7 +280,7 @@ def anatomy(rounds: int, seconds: float, senders: int) -> None:
             _, _, rps, split = http_fleet(tmp, seconds, senders, name=f"http{r}", http_only=True)
             print(f"  HTTP handling alone    {split.split('; ')[-1]} (bench/http_only.py: no check, nothing kept)",
                   flush=True)
-            _, _, rps, per_req = http_fleet(tmp, seconds, senders, name=f"floor{r}", floor=True)
+            _, _, rps, per_req = http_fleet(tmp, seconds, senders, name=f"floor{r}", floor="python")
             print(f"  floor server           {per_req} (bench/http_floor.py)", flush=True)
             if compiled_floor(tmp) is not None:
                 _, _, rps, per_req = http_fleet(tmp, seconds, senders, name=f"cfloor{r}", floor="c")
@@ -324,7 +324,7 @@ def main() -> None:
         print(f"http fleet {a.fleet_senders} senders x 20-50 spans every 0.5 s      {fl:>10,.0f}   "
               f"= {h / fl:.2f} x the bulk CPU per span   ({offered:,.0f} spans/s, {rps:.0f} requests/s)")
         print(f"           CPU by thread: {fsplit}")
-        ff, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="floor", floor=True)
+        ff, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="floor", floor="python")
         print(f"           floor: a server that only reads each request and answers 200 (bench/http_floor.py), "
               f"same senders: {ff:,.0f} spans per CPU-second = {h / ff:.2f} x the bulk CPU per span ({per_req})")
         if compiled_floor(tmp) is not None:
