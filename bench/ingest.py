@@ -7,17 +7,22 @@ Measured in one run, on the same requests:
   pipeline   today's path, in-process: check on arrival -> spool the body (fsync) -> the compiled
              pass decodes the segment (chDB the bodies it leaves) -> Parquet part (stages shown)
   http bulk  the real `ttftscope collect` over HTTP, 2 senders posting big requests; the
-             collector's CPU from /proc (all threads) per stored span, read once it has
-             written everything (not its exit), split by thread; its RSS sampled
+             collector's CPU from /proc (all threads) per stored span, counted from after a
+             first flush of ~6k spans (its one-time work: see prime()) until it has written
+             everything (not its exit), split by thread; its RSS sampled
   http fleet the same collector fed like a fleet of vLLM processes: many senders, each
              posting 20-50 spans every 0.5 s (target: <= 2x the bulk CPU per span), next to the
              floor of that load (bench/http_floor.py: a server that only reads and answers; and
-             bench/http_floor.c, the same in C, where a C compiler is found); then
-             the same span rate as the plugin sends it by default (80-200 spans every 2 s)
+             bench/http_floor.c, the same in C, where a C compiler is found) and of a receiver
+             in C that keeps the collector's promise (bench/durable_floor.c: the check, the
+             spool, the group commit) as a thread beside the collector's own flusher code
+             (bench/native_flusher.py); then the same span rate as the plugin sends it by
+             default (80-200 spans every 2 s)
 
 Usage: python bench/ingest.py [--requests 100] [--spans-per-request 500] [--http-seconds 20]
        [--fleet-senders 40]. A 10-minute memory run: --http-seconds 600. Where a fleet's
-       request goes (the whole collector, its HTTP handling alone, the floor, the floor in C):
+       request goes (the whole collector, its HTTP handling alone, the floor, the floor in C,
+       the receiver's work in C in the flusher's process and in one of its own):
        --fleet-anatomy ROUNDS.
 """
 
@@ -97,6 +102,30 @@ def pipeline(bodies: list[bytes], tmp: Path, name: str, old: bool) -> tuple[floa
     return n / cpu, {k: round(v / cpu * 100, 1) for k, v in stages.items()}
 
 
+#: what each collector stores before its CPU is counted (:func:`prime`): requests x spans, one
+#: flush about the size of a fleet run's (~5k spans every 2 s)
+PRIME = (12, 500)
+
+
+def prime(url: str, stored) -> int:
+    """Post a flush's worth of spans and wait until ``stored()`` says they are in the store,
+    before the CPU is counted. A process's first flush of that size does one-time work (fresh
+    buffers' pages, the Parquet writer's and Arrow kernels' first use at that size): 0.2-0.3 s
+    of CPU measured for ~5k spans against ~20 ms for each flush after it -- 5-6 us a span of a
+    15-s fleet run, nothing of a long-running collector's. Returns the spans sent."""
+    n, size = PRIME
+    with requests.Session() as s:
+        for i in range(n):
+            r = s.post(url + "/v1/traces", data=otlp_request(size, seed=987_654_321 + i), headers=PB, timeout=60)
+            r.raise_for_status()
+    deadline = time.monotonic() + 60
+    while not stored():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: the priming requests were not stored within 60 s")
+        time.sleep(0.05)
+    return n * size
+
+
 class Collector:
     def __init__(self, tmp: Path, name: str, http_only: bool = False) -> None:
         self.port = free_port()
@@ -109,6 +138,7 @@ class Collector:
         self.url = f"http://127.0.0.1:{self.port}"
         wait_http(self.url + "/healthz", self.proc)
         time.sleep(2.0)  # let start-up (the chDB engine) finish before counting CPU
+        self.primed = 0 if http_only else prime(self.url, self.idle)
         self.cpu0 = cpu_s(self.proc.pid)
         self.threads0 = threads_cpu_s(self.proc.pid)
         self.threads: dict[str, float] = {}
@@ -120,31 +150,48 @@ class Collector:
         alone took a quarter of a 20-s fleet run's figure)."""
         pid = self.proc.pid
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if requests.get(self.url + "/healthz", timeout=10).json()["queue_spans"] == 0:
-                break
+        while time.monotonic() < deadline and not self.idle():
             time.sleep(0.05)
         cpu = cpu_s(pid) - self.cpu0
         self.threads = {k: v - self.threads0.get(k, 0.0) for k, v in threads_cpu_s(pid).items()}
         self.proc.terminate()  # SIGTERM: every acknowledged span is stored (counted below)
         self.proc.wait(120)
-        return cpu, open_store(self.store).query("SELECT count() FROM otel_traces").item()
+        return cpu, open_store(self.store).query("SELECT count() FROM otel_traces").item() - self.primed
+
+    def idle(self) -> bool:
+        """Everything acknowledged is in the store."""
+        return requests.get(self.url + "/healthz", timeout=10).json()["queue_spans"] == 0
 
 
 @functools.cache
-def compiled_floor(tmp: Path) -> Path | None:
-    """bench/http_floor.c built with the system's C compiler (once per ``tmp``); None without one."""
-    exe = tmp / "http_floor"
+def compiled(tmp: Path, name: str = "http_floor", flags: tuple[str, ...] = (), out: str | None = None) -> Path | None:
+    """bench/NAME.c built with the system's C compiler and ``flags`` (once per ``tmp``), as
+    ``out`` (NAME by default); None without a compiler or when it does not build (said once)."""
+    exe = tmp / (out or name)
     if not exe.exists():
         cc = shutil.which("cc") or shutil.which("gcc")
         if cc is None:
             return None
-        r = subprocess.run([cc, "-O2", "-o", str(exe), str(Path(__file__).with_name("http_floor.c"))],
+        r = subprocess.run([cc, "-O2", "-o", str(exe), str(Path(__file__).with_name(f"{name}.c")), *flags],
                            capture_output=True, text=True)
         if r.returncode:
-            print(f"(bench/http_floor.c did not build, its floor is left out: {r.stderr.strip()[:300]})")
+            print(f"(bench/{name}.c did not build, its row is left out: {r.stderr.strip()[:300]})")
             return None
     return exe
+
+
+def compiled_floor(tmp: Path) -> Path | None:
+    """bench/http_floor.c built (see :func:`compiled`)."""
+    return compiled(tmp)
+
+
+def compiled_durable(tmp: Path, library: bool = False) -> Path | None:
+    """bench/durable_floor.c built (it links zlib for the spool's crc32): a program, or a shared
+    library for bench/native_flusher.py to run in its own process."""
+    if library:
+        lib = compiled(tmp, "durable_floor", ("-lz", "-shared", "-fPIC", "-DNO_MAIN"), "libdurable_floor.so")
+        return lib
+    return compiled(tmp, "durable_floor", ("-lz",))
 
 
 class FloorServer:
@@ -166,6 +213,58 @@ class FloorServer:
         self.proc.kill()
         self.proc.wait(30)
         return cpu, None
+
+
+class NativeCollector:
+    """bench/durable_floor.c (the receiver's work in C: check, spool, group commit) beside
+    bench/native_flusher.py (the collector's flusher code storing what it seals): what a
+    collector with its receiver outside Python would cost. ``same_process``: the C receiver a
+    thread of the flusher's process (as it would be inside the collector), else a process of its
+    own. Started and read like :class:`Collector`; its split: the receiver's CPU (its thread's,
+    or its process's) and the rest."""
+
+    def __init__(self, tmp: Path, name: str, same_process: bool = True) -> None:
+        self.port = free_port()
+        self.store = str(tmp / f"store-{name}")
+        self.spool = tmp / f"spool-{name}"
+        self.spool.mkdir()
+        flusher = [sys.executable, str(Path(__file__).with_name("native_flusher.py")), str(self.spool), self.store]
+        if same_process:
+            self.receiver = None
+            flusher += ["--receiver", str(compiled_durable(tmp, library=True)), str(self.port)]
+        else:
+            self.receiver = subprocess.Popen([str(compiled_durable(tmp)), str(self.port), str(self.spool)])
+        self.flusher = subprocess.Popen(flusher)
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_http(self.url + "/healthz", self.receiver or self.flusher)
+        self.primed = prime(self.url, self.idle)  # (and the flusher's start-up: numba's cache, chDB)
+        self.cpu0 = self._cpu()
+        self.split: tuple[float, float] = (0.0, 0.0)
+
+    def _cpu(self) -> tuple[float, float]:
+        """(the receiver's CPU seconds, the rest's)"""
+        if self.receiver is not None:
+            return cpu_s(self.receiver.pid), cpu_s(self.flusher.pid)
+        rc = threads_cpu_s(self.flusher.pid).get("c-receiver", 0.0)
+        return rc, cpu_s(self.flusher.pid) - rc
+
+    def stop(self) -> tuple[float, int]:
+        """As :meth:`Collector.stop`: read once every segment is sealed and stored."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not self.idle():
+            time.sleep(0.05)
+        now = self._cpu()
+        self.split = (now[0] - self.cpu0[0], now[1] - self.cpu0[1])
+        if self.receiver is not None:
+            self.receiver.kill()
+            self.receiver.wait(30)
+        self.flusher.terminate()
+        self.flusher.wait(120)
+        return sum(self.split), open_store(self.store).query("SELECT count() FROM otel_traces").item() - self.primed
+
+    def idle(self) -> bool:
+        """Every segment sealed and stored (the receiver seals 2 s after its last request)."""
+        return not any(self.spool.glob("*.open")) and not any(self.spool.glob("*.sealed"))
 
 
 def where(col: Collector, spans: int, requests_n: int | None = None) -> str:
@@ -213,12 +312,15 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
 
 def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
                sizes: tuple[int, int] = (20, 50), name: str = "fleet",
-               floor: str | None = None, http_only: bool = False) -> tuple[float, float, float, str]:
+               floor: str | None = None, http_only: bool = False,
+               native: str | None = None) -> tuple[float, float, float, str]:
     """(spans per collector CPU-second, spans/s offered, requests/s, CPU by thread) with many
     small senders, each posting ``sizes`` spans every ``every_s``. ``floor``: the same senders
     against a floor server instead (its CPU per request in the last place), ``"python"``
     bench/http_floor.py or ``"c"`` bench/http_floor.c; ``http_only``:
-    against bench/http_only.py (the collector's HTTP handling alone, nothing stored)."""
+    against bench/http_only.py (the collector's HTTP handling alone, nothing stored); ``native``:
+    against :class:`NativeCollector` (the receiver's work in C beside the collector's flusher),
+    ``"thread"`` in the flusher's process or ``"process"`` of its own."""
     # each sender's requests built before the clock starts, as the bulk case's are, so that the
     # senders spend their time on the two shared cores posting, not building protobuf (within this
     # bench, interleaved: 24.6 / 24.6k spans per CPU-second built during the run against 24.6 /
@@ -230,7 +332,12 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
         counts = [rng.randint(*sizes) for _ in range(int(seconds / every_s) + 4)]
         plans.append([(n, otlp_request(n, seed=k * 1_000_000 + i)) for i, n in enumerate(counts)])
 
-    col = FloorServer(tmp, name, compiled=floor == "c") if floor else Collector(tmp, name, http_only=http_only)
+    if native:
+        col = NativeCollector(tmp, name, same_process=native == "thread")
+    elif floor:
+        col = FloorServer(tmp, name, compiled=floor == "c")
+    else:
+        col = Collector(tmp, name, http_only=http_only)
     sent = [0] * senders
     reqs = [0] * senders
     stop = threading.Event()
@@ -265,18 +372,24 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
     if not http_only:  # (http_only stores nothing: per span sent)
         assert n == sum(sent), (n, sum(sent))
     n = sum(sent)
+    if native:
+        (rc, fc), nreq = col.split, sum(reqs)
+        return (n / cpu, n / dt, nreq / dt, f"receiver in C {rc / n * 1e6:.1f} us/span, flusher {fc / n * 1e6:.1f} "
+                f"us/span; receiver {rc / nreq * 1e6:.0f} us/request")
     return n / cpu, n / dt, sum(reqs) / dt, where(col, n, sum(reqs))
 
 
 def anatomy(rounds: int, seconds: float, senders: int) -> None:
-    """CPU per fleet request: the whole collector, its HTTP handling alone, the floor server."""
+    """CPU per fleet request: the whole collector, its HTTP handling alone, the floor servers, the
+    receiver's work in C (beside the flusher code, in its process and in one of its own)."""
     print(f"fleet anatomy: {senders} senders x 20-50 spans every 0.5 s, {seconds:.0f} s each, "
           f"CPU per request of the receiving process (interleaved, {rounds} rounds)")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for r in range(rounds):
-            _, _, rps, split = http_fleet(tmp, seconds, senders, name=f"whole{r}")
-            print(f"  whole collector        {split}   ({rps:.0f} requests/s)", flush=True)
+            fw, _, rps, split = http_fleet(tmp, seconds, senders, name=f"whole{r}")
+            print(f"  whole collector        {split}   ({rps:.0f} requests/s; {fw:,.0f} spans per CPU-second)",
+                  flush=True)
             _, _, rps, split = http_fleet(tmp, seconds, senders, name=f"http{r}", http_only=True)
             print(f"  HTTP handling alone    {split.split('; ')[-1]} (bench/http_only.py: no check, nothing kept)",
                   flush=True)
@@ -285,6 +398,12 @@ def anatomy(rounds: int, seconds: float, senders: int) -> None:
             if compiled_floor(tmp) is not None:
                 _, _, rps, per_req = http_fleet(tmp, seconds, senders, name=f"cfloor{r}", floor="c")
                 print(f"  floor server, in C     {per_req} (bench/http_floor.c)", flush=True)
+            if compiled_durable(tmp) is not None and compiled_durable(tmp, library=True) is not None:
+                for where_, label in (("thread", "in-process"), ("process", "own process")):
+                    fn, _, rps, split = http_fleet(tmp, seconds, senders, name=f"native-{where_}{r}", native=where_)
+                    print(f"  receiver's work in C, {label:<11} {split} (bench/durable_floor.c: check, spool, group "
+                          f"commit; the collector's flusher code beside it: {fn:,.0f} spans per CPU-second in all)",
+                          flush=True)
 
 
 def main() -> None:
@@ -295,7 +414,8 @@ def main() -> None:
     ap.add_argument("--fleet-senders", type=int, default=40)
     ap.add_argument("--fleet-anatomy", type=int, default=0, metavar="ROUNDS",
                     help="only the fleet, taken apart: the whole collector, its HTTP handling alone "
-                         "(bench/http_only.py) and the floor server, interleaved, ROUNDS times")
+                         "(bench/http_only.py), the floor server (in Python and in C) and the receiver's "
+                         "work in C (bench/durable_floor.c), interleaved, ROUNDS times")
     a = ap.parse_args()
     if a.fleet_anatomy:
         return anatomy(a.fleet_anatomy, a.http_seconds, a.fleet_senders)
@@ -331,6 +451,11 @@ def main() -> None:
             fc, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="cfloor", floor="c")
             print(f"           the same floor in C (bench/http_floor.c: epoll, one thread): {fc:,.0f} spans per "
                   f"CPU-second = {h / fc:.2f} x the bulk CPU per span ({per_req})")
+        if compiled_durable(tmp, library=True) is not None:
+            fn, _, _, nsplit = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="native", native="thread")
+            print(f"           the receiver's work in C (bench/durable_floor.c: check, spool, group commit), a thread "
+                  f"beside the collector's flusher code (bench/native_flusher.py): {fn:,.0f} spans per CPU-second = "
+                  f"{h / fn:.2f} x the bulk CPU per span ({nsplit})")
         # the same span rate shaped as the plugin now sends it (OTEL_BSP_SCHEDULE_DELAY's default, 2 s): not the target's shape
         f2, offered2, rps2, fsplit2 = http_fleet(tmp, a.http_seconds, a.fleet_senders, every_s=2.0, sizes=(80, 200),
                                                  name="fleet-2s")
