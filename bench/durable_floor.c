@@ -15,7 +15,8 @@
  * What it leaves out of the collector's arrival check: UTF-8 validation of strings, the caps on
  * attribute maps (clipping a span), partial success; and all of the HTTP edge cases (gzip,
  * chunked bodies, tokens, 413/415/431). So its CPU per request is a floor for a compiled
- * receiver with durability, not a receiver. Run: ./durable_floor PORT SPOOL_DIR.
+ * receiver with durability, not a receiver. Run: ./durable_floor PORT SPOOL_DIR; or built as a
+ * shared library (-shared -fPIC -DNO_MAIN), a thread of bench/native_flusher.py's process.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -50,7 +51,7 @@ struct conn {
     char *buf;
     size_t len, cap;
     long need; /* body bytes still expected; -1: reading a head */
-    int open, waiting;
+    int waiting; /* its request's record written, its answer held for the next sync */
 };
 
 static struct conn conns[MAX_FD];
@@ -344,7 +345,7 @@ int durable_floor_run(int port, const char *dir) {
                         continue;
                     }
                     setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-                    conns[c] = (struct conn){.buf = malloc(65536), .len = 0, .cap = 65536, .need = -1, .open = 1};
+                    conns[c] = (struct conn){.buf = malloc(65536), .len = 0, .cap = 65536, .need = -1};
                     n_open++;
                     struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
                     epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);

@@ -187,10 +187,9 @@ def compiled_floor(tmp: Path) -> Path | None:
 
 def compiled_durable(tmp: Path, library: bool = False) -> Path | None:
     """bench/durable_floor.c built (it links zlib for the spool's crc32): a program, or a shared
-    library for bench/native_flusher.py to run in its own process."""
+    library that bench/native_flusher.py runs as a thread of its process."""
     if library:
-        lib = compiled(tmp, "durable_floor", ("-lz", "-shared", "-fPIC", "-DNO_MAIN"), "libdurable_floor.so")
-        return lib
+        return compiled(tmp, "durable_floor", ("-lz", "-shared", "-fPIC", "-DNO_MAIN"), "libdurable_floor.so")
     return compiled(tmp, "durable_floor", ("-lz",))
 
 
