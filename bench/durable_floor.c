@@ -36,6 +36,8 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "http_bench.h"
+
 #define MAX_FD 4096
 #define ZERO_AHEAD (256 << 10)
 #define SEGMENT_BYTES (8 << 20)
@@ -44,8 +46,6 @@
 
 static const char OK[] = "HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n";
 static const char BAD[] = "HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 9\r\n\r\nmalformed";
-static const char HEALTH[] =
-    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 18\r\n\r\n{\"queue_spans\": 0}";
 
 struct conn {
     char *buf;
@@ -278,18 +278,11 @@ static int serve(int fd, struct conn *c) {
     size_t at = 0;
     while (!c->waiting) {
         if (c->need < 0) {
-            char *end = memmem(c->buf + at, c->len - at, "\r\n\r\n", 4);
-            if (!end) break;
-            size_t head_len = (size_t)(end - (c->buf + at));
-            int is_get = head_len >= 3 && strncasecmp(c->buf + at, "get", 3) == 0;
-            long need = 0;
-            for (size_t i = 0; i + 15 <= head_len; i++) {
-                if (strncasecmp(c->buf + at + i, "content-length:", 15) == 0) {
-                    need = strtol(c->buf + at + i + 15, NULL, 10);
-                    break;
-                }
-            }
-            at += head_len + 4;
+            int is_get;
+            long need;
+            size_t head = read_head(c->buf + at, c->len - at, &is_get, &need);
+            if (!head) break;
+            at += head;
             if (is_get) {
                 if (write(fd, HEALTH, sizeof HEALTH - 1) < 0) return -1;
                 continue;
@@ -321,11 +314,8 @@ static int serve(int fd, struct conn *c) {
 int durable_floor_run(int port, const char *dir) {
     prctl(PR_SET_NAME, "c-receiver"); /* its thread's CPU, apart in /proc */
     spool_dir = dir;
-    int ls = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0), one = 1;
-    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)port),
-                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    if (bind(ls, (struct sockaddr *)&a, sizeof a) || listen(ls, 1024)) die("durable_floor");
+    int ls = listen_loopback(port), one = 1;
+    if (ls < 0) die("durable_floor");
     ep = epoll_create1(0);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = ls}, evs[64];
     epoll_ctl(ep, EPOLL_CTL_ADD, ls, &ev);

@@ -19,11 +19,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "http_bench.h"
+
 #define MAX_FD 4096
 
 static const char OK[] = "HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n";
-static const char HEALTH[] =
-    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 18\r\n\r\n{\"queue_spans\": 0}";
 
 struct conn {
     char *buf;
@@ -45,18 +45,11 @@ static int serve(int fd, struct conn *c) {
     size_t at = 0;
     for (;;) {
         if (c->need < 0) {
-            char *end = memmem(c->buf + at, c->len - at, "\r\n\r\n", 4);
-            if (!end) break;
-            size_t head_len = (size_t)(end - (c->buf + at));
-            int is_get = head_len >= 3 && strncasecmp(c->buf + at, "get", 3) == 0;
-            long need = 0;
-            for (size_t i = 0; i + 15 <= head_len; i++) {
-                if (strncasecmp(c->buf + at + i, "content-length:", 15) == 0) {
-                    need = strtol(c->buf + at + i + 15, NULL, 10);
-                    break;
-                }
-            }
-            at += head_len + 4;
+            int is_get;
+            long need;
+            size_t head = read_head(c->buf + at, c->len - at, &is_get, &need);
+            if (!head) break;
+            at += head;
             if (is_get) {
                 if (write(fd, HEALTH, sizeof HEALTH - 1) < 0) return -1;
                 continue;
@@ -82,11 +75,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s PORT\n", argv[0]);
         return 2;
     }
-    int ls = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0), one = 1;
-    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)atoi(argv[1])),
-                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    if (bind(ls, (struct sockaddr *)&a, sizeof a) || listen(ls, 1024)) {
+    int ls = listen_loopback(atoi(argv[1])), one = 1;
+    if (ls < 0) {
         perror("http_floor");
         return 1;
     }
