@@ -314,7 +314,7 @@ static int serve(int fd, struct conn *c) {
 int durable_floor_run(int port, const char *dir) {
     prctl(PR_SET_NAME, "c-receiver"); /* its thread's CPU, apart in /proc */
     spool_dir = dir;
-    int ls = listen_loopback(port), one = 1;
+    int ls = listen_loopback(port);
     if (ls < 0) die("durable_floor");
     ep = epoll_create1(0);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = ls}, evs[64];
@@ -329,28 +329,16 @@ int durable_floor_run(int port, const char *dir) {
             int fd = evs[i].data.fd;
             if (fd == ls) {
                 int c;
-                while ((c = accept4(ls, NULL, NULL, SOCK_NONBLOCK)) >= 0) {
-                    if (c >= MAX_FD) {
-                        close(c);
-                        continue;
-                    }
-                    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+                while ((c = accept_one(ls, ep, MAX_FD)) >= 0) {
                     conns[c] = (struct conn){.buf = malloc(65536), .len = 0, .cap = 65536, .need = -1};
                     n_open++;
-                    struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
-                    epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);
                 }
                 continue;
             }
             struct conn *c = &conns[fd];
             for (;;) {
-                if (c->cap - c->len < 16384) {
-                    c->cap *= 2;
-                    c->buf = realloc(c->buf, c->cap);
-                }
-                ssize_t r = read(fd, c->buf + c->len, c->cap - c->len);
+                ssize_t r = read_more(fd, &c->buf, &c->len, &c->cap);
                 if (r > 0) {
-                    c->len += (size_t)r;
                     if (serve(fd, c) < 0) {
                         close_conn(fd);
                         break;

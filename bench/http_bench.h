@@ -5,11 +5,13 @@
 #define TTFTSCOPE_HTTP_BENCH_H
 
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 static const char HEALTH[] =
     "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 18\r\n\r\n{\"queue_spans\": 0}";
@@ -39,6 +41,29 @@ static size_t read_head(const char *buf, size_t len, int *is_get, long *content_
         }
     }
     return head_len + 4;
+}
+
+/* the next connection waiting on ``ls``, set TCP_NODELAY and watched for input on ``ep``; -1
+ * when none waits. Connections numbered ``max_fd`` or more are closed at once. */
+static int accept_one(int ls, int ep, int max_fd) {
+    int c, one = 1;
+    while ((c = accept4(ls, NULL, NULL, SOCK_NONBLOCK)) >= max_fd) close(c);
+    if (c < 0) return -1;
+    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
+    epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);
+    return c;
+}
+
+/* one read() into a connection's buffer, grown first when under 16 KiB is free */
+static ssize_t read_more(int fd, char **buf, size_t *len, size_t *cap) {
+    if (*cap - *len < 16384) {
+        *cap *= 2;
+        *buf = realloc(*buf, *cap);
+    }
+    ssize_t r = read(fd, *buf + *len, *cap - *len);
+    if (r > 0) *len += (size_t)r;
+    return r;
 }
 
 #endif

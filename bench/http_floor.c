@@ -75,7 +75,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s PORT\n", argv[0]);
         return 2;
     }
-    int ls = listen_loopback(atoi(argv[1])), one = 1;
+    int ls = listen_loopback(atoi(argv[1]));
     if (ls < 0) {
         perror("http_floor");
         return 1;
@@ -89,27 +89,15 @@ int main(int argc, char **argv) {
             int fd = evs[i].data.fd;
             if (fd == ls) {
                 int c;
-                while ((c = accept4(ls, NULL, NULL, SOCK_NONBLOCK)) >= 0) {
-                    if (c >= MAX_FD) {
-                        close(c);
-                        continue;
-                    }
-                    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+                while ((c = accept_one(ls, ep, MAX_FD)) >= 0) {
                     conns[c] = (struct conn){.buf = malloc(65536), .len = 0, .cap = 65536, .need = -1};
-                    struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
-                    epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);
                 }
                 continue;
             }
             struct conn *c = &conns[fd];
             for (;;) {
-                if (c->cap - c->len < 16384) {
-                    c->cap *= 2;
-                    c->buf = realloc(c->buf, c->cap);
-                }
-                ssize_t r = read(fd, c->buf + c->len, c->cap - c->len);
+                ssize_t r = read_more(fd, &c->buf, &c->len, &c->cap);
                 if (r > 0) {
-                    c->len += (size_t)r;
                     if (serve(fd, c) < 0) {
                         close_conn(ep, fd);
                         break;
