@@ -35,7 +35,10 @@ less the waits (its speed moves the work itself), so a difference inside it is n
 plugin's export sidecars (collector.handoff: children of vLLM's processes that build, encode
 and post the spans) are reported on a row of their own, and with vLLM's.
 The plugin's own accounting (TTFTSCOPE_SELF_TIMING) gives each process's hooks per hook, its
-export thread and its step-flush thread (the engine core's steps sorted out off the loop).
+export thread and its step-flush thread (the engine core's steps sorted out off the loop). What it
+leaves out -- the API server's middleware passing every request and response through, the wrappers'
+own layers, vLLM's tracing that the plugin turns on -- bench/plugin_profile.py samples from outside
+(py-spy), next to this accounting.
 
 Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-dir DIR] [--rate 20]
        [--output-len 16]. The plugin as it was before quiet steps were sampled (every engine step
