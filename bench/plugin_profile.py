@@ -27,11 +27,13 @@ threading, pickle, OpenTelemetry) are passed over to the next one out.
 In the same run, rounds interleaved, bench/overhead's ``accounted`` mode gives the plugin's own
 figures for the same two parts (hooks net of the timing's cost; the same threads' CPU as it reads
 it). The export sidecars are the plugin's processes, not vLLM's: their whole CPU is shown apart.
-Each sample is 1/rate of a second: with few requests the sampled figures move in steps of
-1e6 / (rate x requests) µs a request — keep the rate and the requests high.
+Each sample is 1/rate of a second: the sampled figures move in steps of 1e6 / (rate x requests) µs
+a request, so the requests are many (1,200: two minutes a mode at 10 req/s) rather than the rate
+high — at 2,000 samples a second two py-spy processes fell behind on this VM's two cores (the API
+server's samples over the rate 0.75 of its CPU, against 0.91-0.99 at 1,000 and 200).
 
 Needs py-spy (``pip install py-spy``, or the ``bench`` extra). Usage:
-python bench/plugin_profile.py [--rounds 2] [--num-prompts 600] [--rate 10] [--spy-rate 2000]
+python bench/plugin_profile.py [--rounds 2] [--num-prompts 1200] [--rate 10] [--spy-rate 1000]
 [--keep DIR]
 """
 
@@ -252,10 +254,10 @@ def accounted(own: dict, completed: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--num-prompts", type=int, default=600)
+    ap.add_argument("--num-prompts", type=int, default=1200)
     ap.add_argument("--rate", type=float, default=10.0)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--spy-rate", type=int, default=2000, help="py-spy samples a second, per process")
+    ap.add_argument("--spy-rate", type=int, default=1000, help="py-spy samples a second, per process")
     ap.add_argument("--collector-dir", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
                     help="keep py-spy's samples (spy-ROLE.txt, one folder a round) and the servers' logs in DIR")
