@@ -162,12 +162,11 @@ SAMPLED = ("api_server", "engine_core")
 def sampled(tmp: Path, profile: Profile, collector_dir: Path, spy: str, rate: int) -> dict:
     """One server with the plugin as users run it, its API server and engine core sampled by py-spy
     (one each, ``--gil``: the thread holding the GIL at each tick) over the load. Per role, µs of
-    CPU a request by owner, two ways: ``direct_us``, the owner's samples over the sampling rate
-    (Python runs only while its thread holds the GIL: the time it ran); ``by_us``, in each thread
-    the owner's share of its samples times the thread's CPU (/proc), which also spreads the
-    thread's CPU without the GIL (system calls, C code that lets it go, vLLM's queue readers'
-    ``sched_yield``) over the owners. ``agreement``: samples over the rate, over the CPU of the
-    threads sampled (1.0: every CPU-second held the GIL and was sampled)."""
+    CPU a request: ``direct_us`` by owner, its samples over the sampling rate (Python runs only
+    while its thread holds the GIL: the time it ran); ``in_vllm_threads_us``, the plugin's of
+    them in vLLM's threads; ``own_threads_us``, the plugin's threads' whole CPU (/proc);
+    ``agreement``, samples over the rate, over the CPU of the threads sampled (1.0: every
+    CPU-second held the GIL and was sampled; less: CPU spent without it, or ticks missed)."""
     tmp.mkdir(parents=True, exist_ok=True)
     cdir = Path(tempfile.mkdtemp(prefix="plugin-profile-", dir=collector_dir))
     col = CollectorProc(str(cdir / "store"), cdir / "spool", flush_interval=2.0, nice=19).start()
@@ -189,11 +188,9 @@ def sampled(tmp: Path, profile: Profile, collector_dir: Path, spy: str, rate: in
         time.sleep(1.0)  # py-spy attached
         cpu0 = {role: _threads_cpu(pid) for role, (pid, _, _) in spies.items()}
         side0 = _cpu(roles.get("export_sidecar", []))
-        t0 = time.monotonic()
         res = run_profile(srv.url, srv.model, profile)
         time.sleep(overhead.SETTLE_S)
         cpu1 = {role: _threads_cpu(pid) for role, (pid, _, _) in spies.items()}
-        wall = time.monotonic() - t0
         names = {role: {tid: _comm(pid, tid) for tid in cpu1[role]} for role, (pid, _, _) in spies.items()}
         side = _cpu(_roles(srv.proc.pid).get("export_sidecar", [])) - side0  # (one started during the load: all of it)
         errs = {}
@@ -213,7 +210,7 @@ def sampled(tmp: Path, profile: Profile, collector_dir: Path, spy: str, rate: in
     out: dict[str, dict] = {}
     for role, (_, _, raw) in spies.items():
         threads = parse(raw)
-        r = out[role] = {"cpu_us": 0.0, "by_us": Counter(), "direct_us": Counter(), "plugin_at_us": Counter(),
+        r = out[role] = {"cpu_us": 0.0, "direct_us": Counter(), "plugin_at_us": Counter(),
                          "samples": 0, "sampled_cpu_s": 0.0, "behind": "behind" in errs[role],
                          "own_threads_us": 0.0, "in_vllm_threads_us": 0.0}
         for tid, c1 in cpu1[role].items():
@@ -230,13 +227,12 @@ def sampled(tmp: Path, profile: Profile, collector_dir: Path, spy: str, rate: in
             r["samples"] += total
             r["sampled_cpu_s"] += cpu
             for who, k in t["by"].items():
-                r["by_us"][who] += k / total * cpu / n * 1e6
                 r["direct_us"][who] += k / rate / n * 1e6
             for where, k in t["plugin_at"].items():
                 r["plugin_at_us"][where] += k / rate / n * 1e6
         r["agreement"] = r["samples"] / rate / max(r["sampled_cpu_s"], 1e-9)
     out["export_sidecar"] = {"cpu_us": side / n * 1e6}
-    return {"completed": res["completed"], "ttft_p50": res["median_ttft_ms"], "wall_s": wall, "roles": out}
+    return {"completed": res["completed"], "ttft_p50": res["median_ttft_ms"], "roles": out}
 
 
 def accounted(own: dict, completed: int) -> tuple[float, float]:
