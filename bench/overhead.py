@@ -50,6 +50,7 @@ Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-di
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -187,7 +188,11 @@ WAITS = Path(__file__).with_name("vllm_waits")
 SETTLE_S = 1.6
 
 
-def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: dict | None = None) -> dict:
+def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: dict | None = None,
+        around=None) -> dict:
+    """One server run ``mode``'s way under ``profile``, measured. ``around``: called with the
+    server once it is warm, a context manager held over the measured load (its CPU readings
+    included): bench/plugin_profile samples the server there."""
     tmp.mkdir(parents=True, exist_ok=True)
     waits = {"PYTHONPATH": os.pathsep.join(filter(None, [str(WAITS), os.environ.get("PYTHONPATH")])),
              "TTFTSCOPE_BENCH_WAITS": str(tmp / "waits")}
@@ -216,12 +221,13 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
     try:
         run_profile(srv.url, srv.model, Profile(num_prompts=20, request_rate=profile.request_rate, seed=99))  # warm
         time.sleep(SETTLE_S)
-        cpu0, self0 = _cpu(col), _self_timing(tmp / "self")
-        (vcpu0, waits0), steps0 = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url)
-        res = run_profile(srv.url, srv.model, profile)
-        time.sleep(SETTLE_S)  # (also one more self-timing write)
-        cpu = _cpu(col) - cpu0
-        (vcpu1, waits1), steps = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url) - steps0
+        with around(srv) if around is not None else contextlib.nullcontext():
+            cpu0, self0 = _cpu(col), _self_timing(tmp / "self")
+            (vcpu0, waits0), steps0 = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url)
+            res = run_profile(srv.url, srv.model, profile)
+            time.sleep(SETTLE_S)  # (also one more self-timing write)
+            cpu = _cpu(col) - cpu0
+            (vcpu1, waits1), steps = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url) - steps0
         vllm_cpu = {r: vcpu1[r] - vcpu0.get(r, 0.0) for r in vcpu1}
         vllm_waits = {r: waits1[r] - waits0.get(r, 0.0) for r in waits1}
         own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if timed else {}
@@ -317,6 +323,19 @@ def _compare(med: dict, base: dict) -> None:
           + (f"; vs vLLM's own tracing: TTFT p50 {p['ttft_p50'] / v['ttft_p50'] - 1:+.1%} (target within 1%)" if v else ""))
 
 
+def net_hooks(own: dict, requests: int) -> tuple[float, float, float]:
+    """(floor µs a call, net hook µs a request, hook calls a request) of one role's accounting
+    over one run: its hooks' CPU less what timing a hook that does nothing (``timing_floor``)
+    costs in that process, per call."""
+    hooks = own.get("per_hook", {})
+    fc, fs = hooks.get("timing_floor", (0, 0.0))
+    floor = fs / fc * 1e6 if fc else 0.0
+    calls = sum(c for h, (c, _) in hooks.items() if h != "timing_floor")
+    cpu = sum(s for h, (_, s) in hooks.items() if h != "timing_floor")
+    n = max(requests, 1)
+    return floor, (cpu * 1e6 - floor * calls) / n, calls / n
+
+
 def _accounted(results: dict, med: dict, mode: str) -> None:
     """The plugin's own accounting (TTFTSCOPE_SELF_TIMING), per role and per hook. A thread-CPU
     clock read is a system call, a few microseconds under this load: each process also times a
@@ -330,16 +349,7 @@ def _accounted(results: dict, med: dict, mode: str) -> None:
         runs = [x for x in results[mode] if role in x["own"]]
         vals = [x["own"][role] for x in runs]
 
-        def per_run(v: dict, n: int) -> tuple[float, float, float]:
-            """(floor us a call, net hook us per request, hook calls per request) of one run."""
-            hooks = v.get("per_hook", {})
-            fc, fs = hooks.get("timing_floor", (0, 0.0))
-            floor = fs / fc * 1e6 if fc else 0.0
-            calls = sum(c for h, (c, _) in hooks.items() if h != "timing_floor")
-            cpu = sum(s for h, (_, s) in hooks.items() if h != "timing_floor")
-            return floor, (cpu * 1e6 - floor * calls) / n, calls / n
-
-        stats = [per_run(v, x["completed"]) for v, x in zip(vals, runs, strict=True)]
+        stats = [net_hooks(v, x["completed"]) for v, x in zip(vals, runs, strict=True)]
         floor = statistics.median(f for f, _, _ in stats)
         net = statistics.median(n for _, n, _ in stats)
         net_total += net

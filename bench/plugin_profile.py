@@ -62,8 +62,8 @@ import ttftscope.collector  # noqa: E402
 import ttftscope.schemas  # noqa: E402
 
 import ttftscope  # noqa: E402
-from support.procs import CollectorProc, VllmServer  # noqa: E402
-from ttftscope.loadgen import Profile, run_profile  # noqa: E402
+from support.procs import VllmServer  # noqa: E402
+from ttftscope.loadgen import Profile  # noqa: E402
 
 PLUGIN, TRACING, VLLM, OTHER = "plugin", "vllm tracing", "vllm", "other"
 #: where ttftscope's code is, as installed (an editable install maps its packages onto the repository's folders)
@@ -134,17 +134,6 @@ def _comm(pid: int, tid: int) -> str:
         return ""
 
 
-def _cpu(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            continue
-    return total
-
-
 def _roles(pid: int) -> dict[str, list[int]]:
     """role -> pids of vLLM's process tree (roles as bench/overhead names them)."""
     root = psutil.Process(pid)
@@ -159,92 +148,94 @@ def _roles(pid: int) -> dict[str, list[int]]:
 SAMPLED = ("api_server", "engine_core")
 
 
-def sampled(tmp: Path, profile: Profile, collector_dir: Path, spy: str, rate: int) -> dict:
-    """One server with the plugin as users run it, its API server and engine core sampled by py-spy
-    (one each, ``--gil``: the thread holding the GIL at each tick) over the load. Per role, µs of
-    CPU a request: ``direct_us`` by owner, its samples over the sampling rate (Python runs only
-    while its thread holds the GIL: the time it ran); ``in_vllm_threads_us``, the plugin's of
-    them in vLLM's threads; ``own_threads_us``, the plugin's threads' whole CPU (/proc);
-    ``agreement``, samples over the rate, over the CPU of the threads sampled (1.0: every
-    CPU-second held the GIL and was sampled; less: CPU spent without it, or ticks missed)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    cdir = Path(tempfile.mkdtemp(prefix="plugin-profile-", dir=collector_dir))
-    col = CollectorProc(str(cdir / "store"), cdir / "spool", flush_interval=2.0, nice=19).start()
-    waits = {"PYTHONPATH": os.pathsep.join(filter(None, [str(overhead.WAITS), os.environ.get("PYTHONPATH")])),
-             "TTFTSCOPE_BENCH_WAITS": str(tmp / "waits")}  # on the server's path as in bench/overhead's modes
-    srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead", env=waits).start()
-    spies: dict[str, tuple[int, subprocess.Popen, Path]] = {}
-    try:
-        run_profile(srv.url, srv.model, Profile(num_prompts=20, request_rate=profile.request_rate, seed=99))  # warm
-        time.sleep(overhead.SETTLE_S)
-        roles = _roles(srv.proc.pid)
+class Spy:
+    """Held over bench/overhead's measured load (``one(..., around=Spy(...))``): py-spy on the
+    server's API server and engine core (one each, ``--gil``: the thread holding the GIL at each
+    tick), and their threads' CPU (/proc) and names read at both ends."""
+
+    def __init__(self, tmp: Path, spy: str, rate: int) -> None:
+        self.tmp, self.spy, self.rate = tmp, spy, rate
+
+    def __call__(self, srv: VllmServer) -> Spy:
+        self.pid = srv.proc.pid
+        return self
+
+    def __enter__(self) -> Spy:
+        roles = _roles(self.pid)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.procs = {}
         for role in SAMPLED:
-            pid = roles[role][0]
-            raw = tmp / f"spy-{role}.txt"
-            spies[role] = (pid, subprocess.Popen(
-                [spy, "record", "--pid", str(pid), "--gil", "--nonblocking", "--threads", "--full-filenames",
-                 "--format", "raw", "--rate", str(rate), "-o", str(raw)],
+            pid, raw = roles[role][0], self.tmp / f"spy-{role}.txt"
+            self.procs[role] = (pid, subprocess.Popen(
+                [self.spy, "record", "--pid", str(pid), "--gil", "--nonblocking", "--threads", "--full-filenames",
+                 "--format", "raw", "--rate", str(self.rate), "-o", str(raw)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), raw)
         time.sleep(1.0)  # py-spy attached
-        cpu0 = {role: _threads_cpu(pid) for role, (pid, _, _) in spies.items()}
-        side0 = _cpu(roles.get("export_sidecar", []))
-        res = run_profile(srv.url, srv.model, profile)
-        time.sleep(overhead.SETTLE_S)
-        cpu1 = {role: _threads_cpu(pid) for role, (pid, _, _) in spies.items()}
-        names = {role: {tid: _comm(pid, tid) for tid in cpu1[role]} for role, (pid, _, _) in spies.items()}
-        side = _cpu(_roles(srv.proc.pid).get("export_sidecar", [])) - side0  # (one started during the load: all of it)
-        errs = {}
-        for role, (_, proc, raw) in spies.items():
-            proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
-            errs[role] = proc.communicate(timeout=60)[1].decode(errors="replace")
-            if not raw.exists():
-                raise RuntimeError(f"py-spy wrote nothing for the {role}: {errs[role][-2000:]}")
-    finally:
-        for _, proc, _ in spies.values():
-            if proc.poll() is None:
-                proc.kill()
-        srv.stop()
-        col.terminate()
-        shutil.rmtree(cdir, ignore_errors=True)
-    n = max(res["completed"], 1)
-    out: dict[str, dict] = {}
-    for role, (_, _, raw) in spies.items():
-        threads = parse(raw)
-        r = out[role] = {"cpu_us": 0.0, "direct_us": Counter(), "plugin_at_us": Counter(),
-                         "samples": 0, "sampled_cpu_s": 0.0, "behind": "behind" in errs[role],
-                         "own_threads_us": 0.0, "in_vllm_threads_us": 0.0}
-        for tid, c1 in cpu1[role].items():
-            cpu = c1 - cpu0[role].get(tid, 0.0)
-            r["cpu_us"] += cpu / n * 1e6
-            t = threads.get(tid)
-            if names[role][tid].startswith("ttftscope"):  # the plugin's own threads: all their CPU
-                r["own_threads_us"] += cpu / n * 1e6
-            elif t is not None:  # vLLM's threads: the plugin's code in them, by its samples
-                r["in_vllm_threads_us"] += t["by"][PLUGIN] / rate / n * 1e6
-            if t is None:
-                continue
-            total = sum(t["by"].values())
-            r["samples"] += total
-            r["sampled_cpu_s"] += cpu
-            for who, k in t["by"].items():
-                r["direct_us"][who] += k / rate / n * 1e6
-            for where, k in t["plugin_at"].items():
-                r["plugin_at_us"][where] += k / rate / n * 1e6
-        r["agreement"] = r["samples"] / rate / max(r["sampled_cpu_s"], 1e-9)
-    out["export_sidecar"] = {"cpu_us": side / n * 1e6}
-    return {"completed": res["completed"], "ttft_p50": res["median_ttft_ms"], "roles": out}
+        self.cpu0 = {role: _threads_cpu(pid) for role, (pid, _, _) in self.procs.items()}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.cpu1 = {role: _threads_cpu(pid) for role, (pid, _, _) in self.procs.items()}
+            self.names = {role: {tid: _comm(pid, tid) for tid in self.cpu1[role]}
+                          for role, (pid, _, _) in self.procs.items()}
+            for role, (_, proc, raw) in self.procs.items():
+                proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+                err = proc.communicate(timeout=60)[1].decode(errors="replace")
+                if exc[0] is None and not raw.exists():
+                    raise RuntimeError(f"py-spy wrote nothing for the {role}: {err[-2000:]}")
+        finally:
+            for _, proc, _ in self.procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+
+    def figures(self, requests: int) -> dict[str, dict]:
+        """Per sampled role, µs of CPU a request: ``direct_us`` by owner, its samples over the
+        sampling rate (Python runs only while its thread holds the GIL: the time it ran);
+        ``in_vllm_threads_us``, the plugin's of them in vLLM's threads; ``own_threads_us``, the
+        plugin's threads' whole CPU (/proc); ``agreement``, samples over the rate, over the CPU of
+        the threads sampled (1.0: every CPU-second held the GIL and was sampled; less: CPU spent
+        without it, or ticks missed)."""
+        n, out = max(requests, 1), {}
+        for role, (_, _, raw) in self.procs.items():
+            threads = parse(raw)
+            r = out[role] = {"cpu_us": 0.0, "direct_us": Counter(), "plugin_at_us": Counter(), "samples": 0,
+                             "sampled_cpu_s": 0.0, "own_threads_us": 0.0, "in_vllm_threads_us": 0.0}
+            for tid, c1 in self.cpu1[role].items():
+                cpu = c1 - self.cpu0[role].get(tid, 0.0)
+                r["cpu_us"] += cpu / n * 1e6
+                t = threads.get(tid)
+                if self.names[role][tid].startswith("ttftscope"):  # the plugin's own threads: all their CPU
+                    r["own_threads_us"] += cpu / n * 1e6
+                elif t is not None:  # vLLM's threads: the plugin's code in them, by its samples
+                    r["in_vllm_threads_us"] += t["by"][PLUGIN] / self.rate / n * 1e6
+                if t is None:
+                    continue
+                r["samples"] += sum(t["by"].values())
+                r["sampled_cpu_s"] += cpu
+                for who, k in t["by"].items():
+                    r["direct_us"][who] += k / self.rate / n * 1e6
+                for where, k in t["plugin_at"].items():
+                    r["plugin_at_us"][where] += k / self.rate / n * 1e6
+            r["agreement"] = r["samples"] / self.rate / max(r["sampled_cpu_s"], 1e-9)
+        return out
+
+
+def sampled(tmp: Path, profile: Profile, collector_dir: Path, spy: str, rate: int) -> dict:
+    """bench/overhead's ``plugin`` mode (the plugin as users run it: no accounting) with its load
+    sampled (:class:`Spy`); the export sidecars' CPU from that mode's own /proc reading."""
+    s = Spy(tmp / "spy", spy, rate)
+    res = overhead.one("plugin", tmp, profile, collector_dir, around=s)
+    roles = s.figures(res["completed"])
+    roles["export_sidecar"] = {"cpu_us": res["vllm_cpu_s"].get("export_sidecar", 0.0) / max(res["completed"], 1) * 1e6}
+    return {"completed": res["completed"], "ttft_p50": res["ttft_p50"], "roles": roles}
 
 
 def accounted(own: dict, completed: int) -> tuple[float, float]:
     """bench/overhead's accounted figures for one role, µs a request: (hooks net of the timing's
     own cost: the plugin's code in vLLM's threads; its export and step-flush threads)."""
-    hooks = own.get("per_hook", {})
-    fc, fs = hooks.get("timing_floor", (0, 0.0))
-    floor = fs / fc * 1e6 if fc else 0.0
-    calls = sum(c for h, (c, _) in hooks.items() if h != "timing_floor")
-    cpu = sum(s for h, (_, s) in hooks.items() if h != "timing_floor")
-    net = (cpu * 1e6 - floor * calls) / max(completed, 1)
-    return net, own.get("export_us_per_req", 0.0) + own.get("background_us_per_req", 0.0)
+    return (overhead.net_hooks(own, completed)[1],
+            own.get("export_us_per_req", 0.0) + own.get("background_us_per_req", 0.0))
 
 
 def main() -> None:
@@ -269,8 +260,7 @@ def main() -> None:
         for r in range(a.rounds):
             s = sampled(Path(d) / f"sampled-{r}", profile, a.collector_dir, spy, a.spy_rate)
             spied.append(s)
-            agree = ", ".join(f"{k} {v['agreement']:.2f}" + (" (py-spy fell behind)" if v["behind"] else "")
-                              for k, v in s["roles"].items() if "agreement" in v)
+            agree = ", ".join(f"{k} {v['agreement']:.2f}" for k, v in s["roles"].items() if "agreement" in v)
             print(f"round {r + 1} sampled   TTFT p50 {s['ttft_p50']:7.2f} ms, {s['completed']} requests; samples / "
                   f"rate over the sampled threads' CPU: {agree}", flush=True)
             x = overhead.one("accounted", Path(d) / f"accounted-{r}", profile, a.collector_dir)

@@ -9,12 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-pp = pytest.importorskip("plugin_profile")
-
+import plugin_profile as pp  # noqa: E402 - bench/ is not a package
 from ttftscope.collector import otel_setup  # noqa: E402
 from ttftscope.collector.vllm_plugin import engine, http  # noqa: E402
 
