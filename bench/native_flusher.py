@@ -21,6 +21,7 @@ import time
 
 from ttftscope.collector import otlp_compiled, phase_metrics
 from ttftscope.collector.pipeline import Pipeline
+from ttftscope.collector.service import StopSignals
 from ttftscope.collector.spool import Segment, Spool
 from ttftscope.schemas.store import open_store
 
@@ -49,8 +50,7 @@ class AdoptingSpool(Spool):
 
 
 def main(spool_dir: str, store_dir: str, receiver: tuple[str, int] | None = None) -> None:
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignals(signal.SIGTERM).install()
     otlp_compiled.warm_up()
     phase_metrics.warm_up()
     spool = AdoptingSpool(spool_dir)
@@ -61,8 +61,7 @@ def main(spool_dir: str, store_dir: str, receiver: tuple[str, int] | None = None
         run.argtypes = (ctypes.c_int, ctypes.c_char_p)
         threading.Thread(target=run, args=(receiver[1], spool_dir.encode()), name="c-receiver", daemon=True).start()
     (spool.dir / "flusher.ready").touch()
-    while not stop.wait(0.5):
-        pass
+    stop.wait()
     p.stop(flush=True)
 
 

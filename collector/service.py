@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import select
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -85,16 +87,51 @@ class Collector:
         return ok
 
 
+class StopSignals:
+    """SIGTERM and SIGINT, waited for in the main thread without a lock.
+
+    The handler only appends to a list: Python runs it in the main thread between two of its
+    instructions, wherever they are, so a handler that takes a lock (``Event.set()``) hangs for
+    good when the main thread held that lock (in ``Event.wait()``: seen, a collector that never
+    stopped). The C-level handler writes a byte to the wake-up socket, which ends ``wait()``'s
+    select() at once, also when the signal was delivered to another thread (chDB's), which only
+    flags it for the main thread."""
+
+    def __init__(self, *signums: int) -> None:
+        self.signums = signums or (signal.SIGTERM, signal.SIGINT)
+        self.received: list[int] = []
+
+    def install(self) -> StopSignals:
+        """From the main thread, before the work that the signals stop is started."""
+        self._r, self._w = socket.socketpair()
+        for s in (self._r, self._w):
+            s.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        for n in self.signums:
+            signal.signal(n, lambda signum, _frame: self.received.append(signum))
+        return self
+
+    def wait(self) -> int:
+        """Block until one of the signals has arrived; returns it (the handlers stay: a second
+        one does nothing more)."""
+        try:
+            while not self.received:
+                select.select([self._r], [], [], 0.5)  # (the timeout: a lost wake-up byte costs half a second)
+                try:
+                    while self._r.recv(512):
+                        pass
+                except BlockingIOError:
+                    pass
+        finally:
+            signal.set_wakeup_fd(self._old_fd)
+            self._r.close()
+            self._w.close()
+        return self.received[0]
+
+
 def serve(collector: Collector, ready_message: bool = True) -> int:
     """Run until SIGTERM/SIGINT, then flush. Exit code 0 when everything was written."""
-    stop = threading.Event()
-
-    def _on_signal(signum, _frame) -> None:
-        log.info("signal %s: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    stop = StopSignals().install()
     collector.start()
     if ready_message:
         pending = collector.spool.pending_rows
@@ -102,10 +139,7 @@ def serve(collector: Collector, ready_message: bool = True) -> int:
         if pending:
             msg += f" ({pending} spooled spans from a previous run will be delivered)"
         print(msg, flush=True)
-    # wake up now and then: a signal delivered to one of chDB's threads only flags it for
-    # the main thread, which must be running to act on it (a bare wait() could sleep forever)
-    while not stop.wait(0.5):
-        pass
+    log.info("signal %s: stopping", stop.wait())
     ok = collector.stop()
     acked = int(collector.metrics.spans_accepted._value.get())
     left = collector.spool.pending_rows

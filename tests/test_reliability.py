@@ -608,3 +608,49 @@ def test_the_commit_window_lets_spaced_requests_share_one_sync(collector_factory
     finally:
         idle.close()
     assert col.terminate() == 0
+
+
+_SIGNAL_WHILE_A_LOCK_IS_HELD = r'''
+import os, signal, sys, threading
+from ttftscope.collector.server import ServerConfig
+from ttftscope.collector.service import Collector, serve
+
+col = Collector(sys.argv[1], ServerConfig(port=0), spool_dir=sys.argv[2])
+armed = threading.Event()
+fired = []
+
+def prof(frame, event, arg):
+    # the main thread has just entered a lock's block (an Event's, a Condition's ...) in serve's wait loop:
+    # SIGTERM now, so its handler runs at the next instruction, with that lock held
+    if (event == "c_return" and not fired and armed.is_set()
+            and getattr(arg, "__name__", "") == "__enter__"):
+        fired.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Timer(1.0, armed.set).start()
+# a loop that takes no lock is still stopped, a little later
+threading.Timer(4.0, lambda: fired or os.kill(os.getpid(), signal.SIGTERM)).start()
+sys.setprofile(prof)
+rc = serve(col, ready_message=False)
+sys.setprofile(None)
+print("fired" if fired else "not fired", rc, flush=True)
+sys.exit(rc)
+'''
+
+
+def test_a_signal_that_lands_while_the_wait_loop_holds_a_lock_still_stops_the_collector(tmp_path):
+    """SIGTERM delivered while the main thread held the lock of the Event it waited on: the
+    handler's ``Event.set()`` took the same lock and the collector hung for good (seen in a
+    truth test's teardown: stack ``Event.wait -> Condition.__enter__ -> _on_signal -> Event.set
+    -> Condition.__enter__``). The handler must take no lock."""
+    script = tmp_path / "serve.py"
+    script.write_text(_SIGNAL_WHILE_A_LOCK_IS_HELD)
+    p = subprocess.Popen([PY, str(script), str(tmp_path / 'store'), str(tmp_path / "spool")], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        pytest.fail("the collector did not stop on SIGTERM:\n" + out[-3000:])
+    assert p.returncode == 0, out[-3000:]
