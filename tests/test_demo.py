@@ -57,6 +57,46 @@ def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans
     assert len(runs) == 1 and runs[0]["r"].startswith("demo-")
 
 
+@pytest.mark.slow
+def test_sigterm_stops_the_demo_and_every_child_it_started(tmp_path):
+    """``kill`` (a CI job's timeout, systemd) while vLLM is starting: the demo stops its collector
+    and its vLLM server (each in a session of its own) as Ctrl-C does; before, SIGTERM ended the
+    demo alone and left them running."""
+    proc = subprocess.Popen([PY, "-m", "ttftscope", "demo", "--quick", "--no-tp2", "--no-ui", "--store", str(tmp_path / "store"),
+                             "--workdir", str(tmp_path / "w")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    kids: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    kids.setdefault(c.pid, " ".join(c.cmdline()))
+                except psutil.NoSuchProcess:
+                    pass
+            if any("vllm" in cmd for cmd in kids.values()) and any(" collect " in cmd for cmd in kids.values()):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "".join(lines)
+        assert any("vllm" in cmd for cmd in kids.values()), f"vLLM is starting: {kids}"
+        time.sleep(2)
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            kids.setdefault(c.pid, "")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 130, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(1)
+    alive = [(pid, cmd) for pid, cmd in kids.items()
+             if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    for pid, _ in alive:
+        psutil.Process(pid).kill()
+    assert not alive, f"children left behind: {alive}"
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """One collector and vLLM server (vLLM's defaults) for the ``ttftscope run`` tests; the

@@ -606,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.command in ("demo", "run", "sweep"):
+        # they start a collector and vLLM servers in sessions of their own: a SIGTERM (a CI
+        # job's timeout, systemd, ``kill``) must stop them as Ctrl-C does, not leave them behind
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
             "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
             "grafana": cmd_grafana, "ui": cmd_ui, "store": cmd_store, "doctor": cmd_doctor, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)

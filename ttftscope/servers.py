@@ -86,17 +86,24 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def wait_http(self, url: str, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"{what} exited with code {self.proc.returncode}; last log lines:\n{self.tail()}")
-            try:
-                if requests.get(url, timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{what} did not answer at {url} within {timeout:.0f}s; last log lines:\n{self.tail()}")
+        """Until ``url`` answers 200. A child that does not come up (it exits, the time runs out,
+        or Ctrl-C / SIGTERM interrupts the wait) is stopped before the error goes on: its caller
+        never got it to stop (vLLM's 30 s start-up was the window a Ctrl-C left a server behind)."""
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise RuntimeError(f"{what} exited with code {self.proc.returncode}; last log lines:\n{self.tail()}")
+                try:
+                    if requests.get(url, timeout=1).status_code == 200:
+                        return
+                except requests.RequestException:
+                    pass
+                time.sleep(0.5)
+            raise TimeoutError(f"{what} did not answer at {url} within {timeout:.0f}s; last log lines:\n{self.tail()}")
+        except BaseException:
+            self.stop(grace=10)
+            raise
 
     def tail(self, n: int = 15) -> str:
         try:
