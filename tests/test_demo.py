@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -57,14 +58,22 @@ def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans
     assert len(runs) == 1 and runs[0]["r"].startswith("demo-")
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.slow
-def test_sigterm_stops_the_demo_and_every_child_it_started(tmp_path):
+@pytest.mark.parametrize("how", ["sigterm", "sigint-came-in-ignored"])
+def test_a_signal_stops_the_demo_and_every_child_it_started(tmp_path, how):
     """``kill`` (a CI job's timeout, systemd) while vLLM is starting: the demo stops its collector
     and its vLLM server (each in a session of its own) as Ctrl-C does; before, SIGTERM ended the
-    demo alone and left them running."""
+    demo alone and left them running, and a Ctrl-C during vLLM's start-up left the server. And
+    ``kill -INT`` where SIGINT came in ignored (a job a shell without job control started in the
+    background: Python keeps it ignored), which did nothing before."""
+    sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
     proc = subprocess.Popen([PY, "-m", "ttftscope", "demo", "--quick", "--no-tp2", "--no-ui", "--store", str(tmp_path / "store"),
                              "--workdir", str(tmp_path / "w")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=None if how == "sigterm" else _ignore_sigint)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     kids: dict[int, str] = {}
@@ -84,17 +93,20 @@ def test_sigterm_stops_the_demo_and_every_child_it_started(tmp_path):
         time.sleep(2)
         for c in psutil.Process(proc.pid).children(recursive=True):
             kids.setdefault(c.pid, "")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(120) == 130, "".join(lines)
+        time.sleep(1)
+        alive = [(pid, cmd) for pid, cmd in kids.items()
+                 if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"children left behind: {alive}"
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(1)
-    alive = [(pid, cmd) for pid, cmd in kids.items()
-             if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    for pid, _ in alive:
-        psutil.Process(pid).kill()
-    assert not alive, f"children left behind: {alive}"
+        for pid in kids:  # whatever is left, with the sessions it started (vLLM's engine core, workers)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -608,10 +608,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.command in ("demo", "run", "sweep"):
         # they start a collector and vLLM servers in sessions of their own: a SIGTERM (a CI
-        # job's timeout, systemd, ``kill``) must stop them as Ctrl-C does, not leave them behind
+        # job's timeout, systemd, ``kill``) must stop them as Ctrl-C does, not leave them behind;
+        # and SIGINT even where it came in ignored (a job started in the background by a shell
+        # without job control: Python then keeps ignoring it, and ``kill -INT`` did nothing)
         import signal
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
             "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
             "grafana": cmd_grafana, "ui": cmd_ui, "store": cmd_store, "doctor": cmd_doctor, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)
