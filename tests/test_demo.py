@@ -63,13 +63,14 @@ def _ignore_sigint() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigterm", "sigint-came-in-ignored"])
+@pytest.mark.parametrize("how", ["sigterm", "sigint-came-in-ignored", "sigterm-twice"])
 def test_a_signal_stops_the_demo_and_every_child_it_started(tmp_path, how):
     """``kill`` (a CI job's timeout, systemd) while vLLM is starting: the demo stops its collector
     and its vLLM server (each in a session of its own) as Ctrl-C does; before, SIGTERM ended the
     demo alone and left them running, and a Ctrl-C during vLLM's start-up left the server. And
     ``kill -INT`` where SIGINT came in ignored (a job a shell without job control started in the
-    background: Python keeps it ignored), which did nothing before."""
+    background: Python keeps it ignored), which did nothing before. And a second signal in the
+    middle of the clean-up, which stopped it there."""
     sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
     proc = subprocess.Popen([PY, "-m", "ttftscope", "demo", "--quick", "--no-tp2", "--no-ui", "--store", str(tmp_path / "store"),
                              "--workdir", str(tmp_path / "w")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -94,6 +95,9 @@ def test_a_signal_stops_the_demo_and_every_child_it_started(tmp_path, how):
         for c in psutil.Process(proc.pid).children(recursive=True):
             kids.setdefault(c.pid, "")
         proc.send_signal(sig)
+        if how == "sigterm-twice":
+            time.sleep(0.3)
+            proc.send_signal(sig)
         assert proc.wait(120) == 130, "".join(lines)
         time.sleep(1)
         alive = [(pid, cmd) for pid, cmd in kids.items()

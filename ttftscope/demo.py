@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .loadgen import Profile
-from .servers import Child, collector, settle, ui_command, vllm
+from .servers import Child, collector, settle, stop_all, ui_command, vllm
 
 PROFILES = [
     Profile("steady", num_prompts=60, request_rate=10, input_len=256, output_len=16),
@@ -163,8 +163,7 @@ def run_demo(store_url: str, *, quick: bool = False, ui: bool = True, ui_port: i
         print(f"ttftscope demo: {e}", flush=True)
         return 1
     finally:
-        for c in reversed(children):
-            c.stop(grace=30)
+        stop_all(children, grace=30, forward=False)  # on the way out: a second Ctrl-C changes nothing
 
 
 __all__ = ["run_demo"]

@@ -11,7 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -70,6 +73,43 @@ def settle(collector_url: str) -> None:
         pass
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def signals_deferred(forward: bool = True) -> Iterator[None]:
+    """SIGINT and SIGTERM held back while children are being stopped, then (``forward``) handed to
+    the handlers that were there before (Ctrl-C's ``KeyboardInterrupt``; an outer
+    ``signals_deferred``, which holds it in turn), or dropped (the last clean-up before leaving).
+    A second Ctrl-C in the middle of the clean-up stopped it there and left the children not yet
+    stopped running, each in a session of its own. Outside the main thread, where handlers cannot
+    be set, nothing is held back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    before = {n: signal.signal(n, lambda signum, _frame: got.append(signum)) for n in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for n, h in before.items():
+            signal.signal(n, h)
+        if got and forward:
+            h = before[got[0]]
+            if callable(h):
+                h(got[0], None)
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
+
+
+def stop_all(children: Iterable[Child], grace: float = 30.0, forward: bool = True) -> None:
+    """Stop every child, the last started first, whatever signal comes meanwhile (handed on after
+    it, or with ``forward=False`` dropped: the clean-up on the way out)."""
+    with signals_deferred(forward):
+        for c in reversed(list(children)):
+            c.stop(grace=grace)
+
+
 class Child:
     def __init__(self, cmd: list[str], log: Path, env: dict | None = None, cwd: str | None = None) -> None:
         self.cmd, self.log, self.env, self.cwd = cmd, log, env, cwd
@@ -112,6 +152,12 @@ class Child:
             return ""
 
     def stop(self, grace: float = 30.0) -> int | None:
+        """SIGTERM to the child's process group, SIGKILL after ``grace``; a Ctrl-C meanwhile is
+        held until the group is gone (``signals_deferred``)."""
+        with signals_deferred():
+            return self._stop(grace)
+
+    def _stop(self, grace: float) -> int | None:
         if self.proc is None:
             return None
         if self.proc.poll() is None:

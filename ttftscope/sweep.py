@@ -206,9 +206,11 @@ def sweep_command(a) -> int:
                 results.append((s, run, None, str(e).splitlines()[0]))
             finally:
                 if srv:
-                    if srv.alive():
-                        settle(col_url)
-                    srv.stop()
+                    try:
+                        if srv.alive():
+                            settle(col_url)
+                    finally:  # (a Ctrl-C during the settle must not leave the server running)
+                        srv.stop()
         col.stop(grace=60)
         col = None
         store = open_store(url, create=False)
