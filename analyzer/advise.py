@@ -50,8 +50,10 @@ _ADVICE = {
                           "(detokenization, serialisation, heavy middleware, many streams per process). Add API-server "
                           "processes (`--api-server-count`), move heavy middleware off the event loop.",
                           "deliver back to a few ms"),
-    "receive_dominates": ("Receiving and parsing requests dominates: large bodies or slow middleware/auth before "
-                          "rendering; add API-server processes (`--api-server-count`), trim middleware.",
+    "receive_dominates": ("Receiving and parsing requests dominates: requests wait in the socket for a busy "
+                          "API-server event loop to accept and read them (bursts, many streams per process), or "
+                          "large bodies or slow middleware/auth before rendering; add API-server processes "
+                          "(`--api-server-count`), trim middleware.",
                           "receive back to under a ms"),
     "intake_dominates": ("Requests wait for the engine loop: the engine core only takes new requests between "
                          "steps, and its steps are long. Shorter steps (a smaller `--max-num-batched-tokens`), "

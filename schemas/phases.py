@@ -52,7 +52,7 @@ REGISTRY: tuple[PhaseSpec, ...] = (
     PhaseSpec("load", "model loading", "#8c564b", "weights to device, KV-cache allocation, warm-up, graph capture",
               sweep=2, spans=(SpanName.LOAD,), vllm_spans=_VLLM_LOAD, dominance=True),
     PhaseSpec("receive", "receiving and parsing requests (API server)", "#bcbd22",
-              "API server: HTTP receive, body parse, middleware, routing",
+              "API server: bytes waiting for the event loop to accept and read them, body parse, middleware, routing",
               sweep=7, spans=(SpanName.RECEIVE,), host_side=True, dominance=True, healthy_ns=1_000_000),
     PhaseSpec("tokenize", "tokenization", "#17becf", "chat template and tokenizer in the API server",
               sweep=3, spans=(SpanName.TOKENIZE,), host_side=True, dominance=True, healthy_ns=1_000_000),

@@ -1,14 +1,16 @@
 """TTFT as the client sees it: an ASGI middleware the plugin adds to vLLM's API server.
 
-The window is request received (the server read the request's first bytes: uvicorn's
-protocol, ``http-arrival``; else the middleware is entered) -> the first response bytes that carry a generated token handed to the transport
+The window is request received (its bytes reached the server's socket: uvicorn's protocol read
+them, less how long the kernel says they had waited, ``http-arrival``; else the middleware is
+entered) -> the first response bytes that carry a generated token handed to the transport
 (streaming: the first SSE ``data:`` chunk whose choice has text, a delta with content,
 reasoning or tool calls; non-streaming: the response body, marked as such). It becomes the
 ``ttftscope.http`` span, parent window of everything else, and with it two API-server
 phases that vLLM's own window does not see:
 
-* ``receive``: request received -> rendering starts (body read, JSON parse, validation,
-  middleware, routing), emitted with the tokenize span;
+* ``receive``: request received -> rendering starts (waiting for a busy event loop to accept
+  and read it, body read, JSON parse, validation, middleware, routing), emitted with the
+  tokenize span;
 * ``deliver``: the engine's first token produced -> those bytes handed to the server's
   transport (taken just before the ASGI ``send``, which writes synchronously; IPC back, output
   processing, detokenize, serialise, event-loop wait). Whichever of the two
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -247,16 +250,58 @@ def _priority_of(body: bytes) -> str:
 ARRIVAL_KEY = "ttftscope.arrival"
 
 
+_TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux
+#: one tick of the kernel's clock that stamps a TCP socket's last received data: the socket
+#: wait is counted less one tick, so never more than it was (``kernel_tick_s``)
+_TICK_S = [0.010]
+
+
+def kernel_tick_s() -> float:
+    """1 / the kernel's ``CONFIG_HZ`` (from /proc/config.gz or /boot/config-<release>; 250 on this
+    VM), else 10 ms (HZ=100, the coarsest in use): the resolution of ``tcpi_last_data_recv``."""
+    import gzip
+    import platform
+    import re
+
+    for path, opener in (("/proc/config.gz", gzip.open), (f"/boot/config-{platform.release()}", open)):
+        try:
+            with opener(path, "rt") as f:
+                for line in f:
+                    m = re.match(r"CONFIG_HZ=(\d+)$", line.strip())
+                    if m and int(m.group(1)) > 0:
+                        return 1.0 / int(m.group(1))
+        except OSError:
+            continue
+    return 0.010
+
+
+def socket_wait_s(transport) -> float:
+    """How long the request's bytes had waited at the server before its event loop read them:
+    the kernel's ``tcpi_last_data_recv`` (TCP_INFO, ms since the socket last received data; the
+    connection waiting to be accepted counts too) less one clock tick, at least 0. In a burst of
+    50 requests at once the event loop read them 30 ms (median) to 150 ms after they had arrived:
+    TTFT the client waited and the report, opening its window at the read, did not see."""
+    if _TCP_INFO is None:
+        return 0.0
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0.0
+    ms = int.from_bytes(sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 56)[52:56], "little")
+    return max(ms / 1e3 - _TICK_S[0], 0.0)
+
+
 @adapter("http-arrival", roles=FRONTEND,
-         what="the client-TTFT window starts when the server reads the request's first bytes (uvicorn's "
-              "httptools protocol), not when the ASGI task first runs: a request that waits for a busy event "
-              "loop after its bytes arrived is counted",
+         what="the client-TTFT window starts when the request's bytes reached the server's socket: read by "
+              "uvicorn's httptools protocol, less how long they had waited there (the kernel's TCP_INFO), not "
+              "when the ASGI task first runs: a request that waits for a busy event loop to accept or read it "
+              "is counted",
          internals=[Internal("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.data_received"),
                     Internal("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.on_message_begin"),
                     Internal("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.scope", "attribute")])
 def _install_arrival() -> None:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as P
 
+    _TICK_S[0] = kernel_tick_s()
     orig_data, orig_begin = P.data_received, P.on_message_begin
 
     @functools.wraps(orig_data)
@@ -268,7 +313,7 @@ def _install_arrival() -> None:
     def on_message_begin(self):
         orig_begin(self)
         try:  # called from the parser inside data_received: the stamp is this message's first bytes
-            self.scope[ARRIVAL_KEY] = self._ttftscope_rx
+            self.scope[ARRIVAL_KEY] = self._ttftscope_rx - socket_wait_s(self.transport)
         except Exception:  # noqa: BLE001 - the middleware falls back to its own entry time
             pass
 

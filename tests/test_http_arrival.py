@@ -1,0 +1,60 @@
+"""The socket wait that opens the client-TTFT window earlier (collector/vllm_plugin/http.py), on a
+real loopback TCP connection: the kernel's stamp against the time the test let the bytes wait."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from ttftscope.collector.vllm_plugin import http
+
+
+class _Transport:
+    def __init__(self, sock) -> None:
+        self.sock = sock
+
+    def get_extra_info(self, key):
+        return self.sock if key == "socket" else None
+
+
+@pytest.fixture
+def pair():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    c = socket.create_connection(srv.getsockname())
+    a, _ = srv.accept()
+    yield c, a
+    for s in (c, a, srv):
+        s.close()
+
+
+def test_bytes_that_waited_are_counted_less_a_tick_never_more(pair, monkeypatch):
+    monkeypatch.setattr(http, "_TICK_S", [http.kernel_tick_s()])
+    tick = http._TICK_S[0]
+    c, a = pair
+    c.sendall(b"POST / HTTP/1.1\r\n\r\n")
+    t0 = time.monotonic()
+    time.sleep(0.08)
+    got = http.socket_wait_s(_Transport(a))
+    waited = time.monotonic() - t0
+    assert waited - 2 * tick - 0.002 <= got <= waited, (got, waited, tick)
+
+
+def test_bytes_read_at_once_count_no_more_than_they_waited(pair, monkeypatch):
+    monkeypatch.setattr(http, "_TICK_S", [http.kernel_tick_s()])
+    c, a = pair
+    t0 = time.monotonic()
+    c.sendall(b"x")
+    a.recv(1)
+    got = http.socket_wait_s(_Transport(a))
+    assert got <= time.monotonic() - t0  # (0 unless this process was held off a CPU for ticks)
+
+
+def test_a_transport_without_a_socket_counts_nothing():
+    assert http.socket_wait_s(_Transport(None)) == 0.0
+
+
+def test_the_kernel_tick_is_a_plausible_hz():
+    assert 1 / 1000 <= http.kernel_tick_s() <= 1 / 100
