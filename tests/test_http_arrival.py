@@ -58,3 +58,14 @@ def test_a_transport_without_a_socket_counts_nothing():
 
 def test_the_kernel_tick_is_a_plausible_hz():
     assert 1 / 1000 <= http.kernel_tick_s() <= 1 / 100
+
+
+def test_a_unix_socket_raises_so_the_read_time_is_kept():
+    # (--uds: no TCP_INFO) the arrival hook keeps the read's time when socket_wait_s raises
+    a, b = socket.socketpair()
+    try:
+        with pytest.raises(OSError):
+            http.socket_wait_s(_Transport(a))
+    finally:
+        a.close()
+        b.close()

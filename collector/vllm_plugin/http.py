@@ -313,8 +313,16 @@ def _install_arrival() -> None:
     def on_message_begin(self):
         orig_begin(self)
         try:  # called from the parser inside data_received: the stamp is this message's first bytes
-            self.scope[ARRIVAL_KEY] = self._ttftscope_rx - socket_wait_s(self.transport)
-        except Exception:  # noqa: BLE001 - the middleware falls back to its own entry time
+            rx = self._ttftscope_rx
+        except AttributeError:  # the middleware falls back to its own entry time
+            return
+        try:
+            rx -= socket_wait_s(self.transport)
+        except Exception:  # noqa: BLE001 - not TCP (a Unix socket: --uds): the read's time
+            pass
+        try:
+            self.scope[ARRIVAL_KEY] = rx
+        except Exception:  # noqa: BLE001
             pass
 
     P.data_received, P.on_message_begin = data_received, on_message_begin
