@@ -69,3 +69,57 @@ def test_a_unix_socket_raises_so_the_read_time_is_kept():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("reader", ["libc", "socket object"])
+def test_both_readers_count_the_same_wait(pair, monkeypatch, reader):
+    # the libc reader (one system call) and the socket object's getsockopt read the same field
+    assert http._LAST_DATA_RECV is not None, "Linux: libc's getsockopt is loadable"
+    if reader == "socket object":
+        monkeypatch.setattr(http, "_LAST_DATA_RECV", None)
+    monkeypatch.setattr(http, "_TICK_S", [http.kernel_tick_s()])
+    tick = http._TICK_S[0]
+    c, a = pair
+    c.sendall(b"x")
+    t0 = time.monotonic()
+    time.sleep(0.05)
+    got = http.socket_wait_s(_Transport(a))
+    waited = time.monotonic() - t0
+    assert waited - 2 * tick - 0.002 <= got <= waited + 0.002, (got, waited, tick)
+
+
+def test_through_uvloops_transport_the_wait_of_a_busy_loop_is_counted(monkeypatch):
+    # the API server's own path: uvicorn on uvloop, whose transport hands out a stand-in socket;
+    # the loop is kept busy while the client's bytes wait at the socket, then reads them
+    uvloop = pytest.importorskip("uvloop")
+    import asyncio
+
+    monkeypatch.setattr(http, "_TICK_S", [http.kernel_tick_s()])
+    tick, got = http._TICK_S[0], {}
+
+    class Proto(asyncio.Protocol):
+        def connection_made(self, t):
+            self.t = t
+
+        def data_received(self, data):
+            got["wait"] = http.socket_wait_s(self.t)
+            got["read"] = time.monotonic()
+            self.t.write(b"k")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        srv = await loop.create_server(Proto, "127.0.0.1", 0)
+        r, w = await asyncio.open_connection("127.0.0.1", srv.sockets[0].getsockname()[1])
+        await asyncio.sleep(0.05)  # accepted
+        w.write(b"POST / HTTP/1.1\r\n\r\n")
+        await w.drain()  # (the client's write is done here: the bytes are at the server's socket)
+        sent = time.monotonic()
+        time.sleep(0.08)  # the loop is busy: nothing is read
+        await r.read(1)
+        w.close()
+        srv.close()
+        return sent
+
+    sent = uvloop.run(main())
+    waited = got["read"] - sent
+    assert waited - 2 * tick - 0.002 <= got["wait"] <= waited + 0.002, (got, waited, tick)

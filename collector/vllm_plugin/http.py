@@ -275,18 +275,59 @@ def kernel_tick_s() -> float:
     return 0.010
 
 
+class _LastDataRecv:
+    """``tcpi_last_data_recv`` of a socket's file descriptor, read with libc's ``getsockopt``:
+    uvloop's transports hand out a stand-in socket whose ``getsockopt`` makes a Python socket
+    for each call (a ``getsockname`` system call, an object made and dropped), which py-spy
+    sampled at ~35 us a request on a loaded API server's event loop (bench/plugin_profile); this
+    is one system call into a buffer kept for it (under a lock: any thread may call it; libc is
+    called through ``PyDLL``, holding the GIL, as ``socket.getsockopt`` does)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._call = ctypes.PyDLL(None, use_errno=True).getsockopt
+        self._get_errno = ctypes.get_errno
+        self._buf = (ctypes.c_uint8 * 104)()  # struct tcp_info, longer than the 56 bytes read
+        self._len = ctypes.c_uint32(0)
+        self._len_p = ctypes.byref(self._len)
+        self._last = ctypes.c_uint32.from_buffer(self._buf, 52)  # tcpi_last_data_recv, ms
+        self._lock = threading.Lock()
+
+    def __call__(self, fd: int) -> int:
+        with self._lock:
+            self._len.value = 104
+            if self._call(fd, socket.IPPROTO_TCP, _TCP_INFO, self._buf, self._len_p):
+                raise OSError(self._get_errno(), "getsockopt(TCP_INFO)")  # e.g. a Unix socket
+            return self._last.value
+
+
+def _last_data_recv_reader() -> _LastDataRecv | None:
+    try:
+        return _LastDataRecv() if _TCP_INFO is not None else None
+    except (OSError, AttributeError):  # no libc to load: the socket object's getsockopt
+        return None
+
+
+_LAST_DATA_RECV = _last_data_recv_reader()
+
+
 def socket_wait_s(transport) -> float:
     """How long the request's bytes had waited at the server before its event loop read them:
     the kernel's ``tcpi_last_data_recv`` (TCP_INFO, ms since the socket last received data; the
     connection waiting to be accepted counts too) less one clock tick, at least 0. In a burst of
     50 requests at once the event loop read them 30 ms (median), at most 163 ms, after they had arrived:
-    TTFT the client waited and the report, opening its window at the read, did not see."""
+    TTFT the client waited and the report, opening its window at the read, did not see. Raises
+    OSError where the socket has no TCP_INFO (a Unix socket)."""
     if _TCP_INFO is None:
         return 0.0
     sock = transport.get_extra_info("socket")
     if sock is None:
         return 0.0
-    ms = int.from_bytes(sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 56)[52:56], "little")
+    if _LAST_DATA_RECV is not None:
+        ms = _LAST_DATA_RECV(sock.fileno())
+    else:
+        ms = int.from_bytes(sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 56)[52:56], "little")
     return max(ms / 1e3 - _TICK_S[0], 0.0)
 
 
