@@ -214,3 +214,14 @@ def test_run_with_priority_classes(tmp_path):
     finally:
         srv.stop()
         col.terminate()
+
+
+def test_the_demo_notes_where_its_client_reads_above_the_report():
+    from ttftscope.demo import client_note
+
+    # (profile, report p50 ms, client p50 ms): a burst's client well above, a quiet profile's close
+    note = client_note([("steady", 23.2, 22.9), ("burst", 584.5, 674.2), ("shared-prefix", 14.3, 14.0)])
+    assert note is not None and "burst +89.7 ms" in note and "steady" not in note
+    assert client_note([("steady", 23.2, 22.9), ("long-prompts", 73.6, 75.3)]) is None
+    # a client below the report is not this note's business (the report is never longer: truth tests)
+    assert client_note([("burst", 584.5, 500.0)]) is None
