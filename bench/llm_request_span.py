@@ -4,10 +4,11 @@ loop, through the OpenTelemetry SDK (vLLM's backend) and as the plugin records i
 
 vLLM's output processor builds the attributes and calls ``vllm.tracing.instrument_manual``
 once per finished request, on the event loop that serves the clients. Timed here: that call
-with vLLM's trace context and attributes as it makes them (the context extraction, vLLM's,
-is outside the timing in both), then the export thread's share: writing the spans a
+with vLLM's trace context and attributes as it makes them (the context extraction is outside
+that timing in both), then the export thread's share: writing the spans a
 request leaves as OTLP protobuf (the SDK spans with the plugin's writer, the records with its
-encoder). Warm caches: a serving process pays several times these (README, bench/overhead).
+encoder); and the context extraction itself, OpenTelemetry's propagator (vLLM's) against the
+``output`` adapter's lean one. Warm caches: a serving process pays several times these (README, bench/overhead).
 
 Usage: python bench/llm_request_span.py [--calls 5000] [--rounds 4]
 """
@@ -31,7 +32,7 @@ def main() -> None:
     import vllm.tracing as vt
     from opentelemetry.trace import SpanKind
     from ttftscope.collector import span_wire
-    from ttftscope.collector.vllm_plugin import vllm_tracing
+    from ttftscope.collector.vllm_plugin import frontend, vllm_tracing
     from ttftscope.collector.vllm_plugin.runtime import RT, setup_otel
     from vllm.tracing.otel import extract_trace_context
 
@@ -91,6 +92,18 @@ def main() -> None:
     for k, (x, y) in med.items():
         print(f"{k:<18}{x:>24.2f}{y:>24.2f}")
     print(f"plugin / sdk: event loop {med['plugin'][0] / med['sdk'][0]:.3f}x, export thread {med['plugin'][1] / med['sdk'][1]:.3f}x")
+    # the trace context vLLM extracts for the call (the ``output`` adapter's lean extraction)
+    lean = frontend.lean_extract(extract_trace_context)
+    ext: dict[str, list[float]] = {"opentelemetry's propagator": [], "lean (the plugin's)": []}
+    for r in range(a.rounds):
+        for name, f in list(zip(ext, (extract_trace_context, lean), strict=True))[::1 if r % 2 == 0 else -1]:
+            t = time.perf_counter()
+            for _ in range(a.calls):
+                f(headers)
+            ext[name].append((time.perf_counter() - t) / a.calls * 1e6)
+    base = statistics.median(ext["opentelemetry's propagator"])
+    for name, v in ext.items():
+        print(f"context extraction, {name:<27}{statistics.median(v):>8.2f} us/request  ({statistics.median(v) / base:.2f}x)")
     vt._REGISTERED_TRACING_BACKENDS["otel"] = sdk_backend
 
 

@@ -119,3 +119,44 @@ def test_vllms_request_span_is_the_sdks_span_without_the_sdk():
     # the hook failing (it has no guard layer of its own): logged once, off, and vLLM's span goes
     # vLLM's own way every time, the failing call's included
     assert res["broken"] == [3, 1], res["broken"]
+
+
+def test_the_lean_context_extraction_gives_opentelemetrys_context_for_every_header():
+    # the output adapter's extraction against vLLM's own (OpenTelemetry's propagator), the witness:
+    # the same span context, or vLLM's own call for what the lean path does not take
+    from opentelemetry import trace
+    from ttftscope.collector.vllm_plugin.frontend import lean_extract
+    from ttftscope.collector.vllm_plugin.runtime import new_traceparent
+    from vllm.tracing.otel import extract_trace_context
+
+    lean = lean_extract(extract_trace_context)
+    good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    headers = [{"traceparent": new_traceparent()} for _ in range(50)] + [
+        {"traceparent": good, "x-ttftscope-handoff": "1.5"},
+        {"traceparent": good[:-2] + "00"},  # not sampled
+        {"traceparent": good[:-2] + "ff"},
+        {"traceparent": good, "tracestate": "vendor=a,other=b"},
+        {"traceparent": "00-" + "0" * 32 + "-b7ad6b7169203331-01"},  # all-zero trace id
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-" + "0" * 16 + "-01"},
+        {"traceparent": good.upper()},
+        {"traceparent": "01" + good[2:] + "-extra"},  # a later version with more fields
+        {"traceparent": good + "-extra"},  # version 00 with more: invalid
+        {"traceparent": " " + good + " "},
+        {"traceparent": "ff" + good[2:]},
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319g-b7ad6b7169203331-01"},  # not hex
+        {"traceparent": "00-+af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},  # int() would take it
+        {"traceparent": "00-0af76519_6cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        {"other": "x"}, {}, None,
+    ]
+    taken = 0
+    for h in headers:
+        want, got = extract_trace_context(h), lean(h)
+        if want is None:
+            assert got is None, h
+            continue
+        w, g = trace.get_current_span(want).get_span_context(), trace.get_current_span(got).get_span_context()
+        assert g == w and g.trace_flags == w.trace_flags and g.trace_state == w.trace_state, h
+        assert g.is_remote == w.is_remote and g.is_valid == w.is_valid, h
+        assert list(dict(got)) == list(dict(want)), h  # the same keys: only the span in the context
+        taken += w.is_valid
+    assert taken >= 50, "every traceparent the plugin writes has a valid context"
