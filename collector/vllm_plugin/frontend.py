@@ -107,7 +107,8 @@ def _emit_tokenize(trace_headers) -> None:
 
 
 @adapter("output", roles=FRONTEND, what="the first token's time for ttftscope.deliver; keeps vLLM's tracing "
-         "from asserting when stats are off",
+         "from asserting when stats are off; llm_request's trace context read without a new OpenTelemetry "
+         "propagator a request",
          internals=[Internal("vllm.v1.engine.output_processor", "OutputProcessor.do_tracing"),
                     Internal("vllm.v1.engine.output_processor", "extract_trace_context"),
                     Internal("vllm.v1.engine.output_processor", "RequestState.stats", "attribute"),
