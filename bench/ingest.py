@@ -127,10 +127,26 @@ def prime(url: str, stored) -> int:
     return n * size
 
 
+#: --aged-store: every collector starts on a store whose manifest holds a full insert-token window,
+#: as one has after running for hours (a token a flush: 10k in under six hours at 2 s)
+AGED = [False]
+
+
+def age(store_dir: str) -> None:
+    """Give a new store the manifest of one that has run for hours (:data:`AGED`)."""
+    st = open_store(store_dir)
+    with st._locked() as m:
+        m["tokens"] = [[f"aged-{i:08d}", time.time() - 20_000 + i * 2] for i in range(st.token_window)]
+        st._write_manifest(m)
+    st.close()
+
+
 class Collector:
     def __init__(self, tmp: Path, name: str, http_only: bool = False) -> None:
         self.port = free_port()
         self.store = str(tmp / f"store-{name}")
+        if AGED[0]:
+            age(self.store)
         # http_only: bench/http_only.py, the same collector with its check and spool taken out
         cmd = [str(Path(__file__).with_name("http_only.py"))] if http_only else ["-m", "ttftscope"]
         self.proc = subprocess.Popen([sys.executable, *cmd, "collect", "--store", self.store, "--spool",
@@ -424,11 +440,14 @@ def main() -> None:
     ap.add_argument("--spans-per-request", type=int, default=500)
     ap.add_argument("--http-seconds", type=float, default=20)
     ap.add_argument("--fleet-senders", type=int, default=40)
+    ap.add_argument("--aged-store", action="store_true",
+                    help="every collector on a store whose manifest holds a full insert-token window, as after hours")
     ap.add_argument("--fleet-anatomy", type=int, default=0, metavar="ROUNDS",
                     help="only the fleet, taken apart: the whole collector, its HTTP handling alone "
                          "(bench/http_only.py), the floor server (in Python and in C) and the receiver's "
                          "work in C (bench/durable_floor.c), interleaved, ROUNDS times")
     a = ap.parse_args()
+    AGED[0] = a.aged_store
     if a.fleet_anatomy:
         return anatomy(a.fleet_anatomy, a.http_seconds, a.fleet_senders)
     bodies = [otlp_request(a.spans_per_request, seed=i) for i in range(a.requests)]

@@ -189,3 +189,50 @@ def test_collect_uses_the_c_allocator_for_arrow_unless_told(env, want):
     r = subprocess.run([PY, "-c", _POOL_PROBE.replace("cmd_collect", "cmd_sql"), "sql", "SELECT 1"],
                        capture_output=True, text=True, cwd=ROOT, env=envs, timeout=120)
     assert r.stdout.split() == default  # other commands keep pyarrow's own choice
+
+
+def test_a_manifest_at_its_token_window_is_read_without_the_cyclic_gc(tmp_path):
+    # a collector flushing every 2 s fills the 10k insert-token window in under six hours; each
+    # read of that manifest (two a flush, one a query after each flush) made ~10k lists, and
+    # the GC collections they set off walk every object of the process (8-12 ms a read)
+    import gc
+
+    import orjson
+
+    st = _fill(str(tmp_path / "s"), n=3, token="first")
+    with st._locked() as m:
+        m["tokens"] = [[f"spool-{i:08d}-{i}", 1.7e9 + i] for i in range(st.token_window - 1)] + m["tokens"]
+        st._write_manifest(m)
+    want = orjson.loads(st.manifest_path.read_bytes())
+    collections = []
+
+    def seen(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        got = st._read_manifest()
+    finally:
+        gc.callbacks.remove(seen)
+    assert got["tokens"] == want["tokens"] and len(got["tokens"]) == st.token_window
+    # (at most the one young-generation pass that the lists made meanwhile set off once the GC is
+    # back on: it walks them alone, not the process's every object)
+    assert collections in ([], [0]), f"the read set off GC collections of generations {collections}"
+    assert gc.isenabled(), "the GC is on again after the read"
+    gc.disable()  # a GC someone else turned off stays off
+    try:
+        st._read_manifest()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    # the window still does its work: the oldest token is dropped, a replay of a recent one is not stored
+    before = st.query("SELECT count() FROM otel_traces").item()
+    _fill(str(tmp_path / "s"), n=2, token="second")
+    assert _fill(str(tmp_path / "s"), n=2, token="first").query("SELECT count() FROM otel_traces").item() == before + 2
+    tokens = [t for t, _ in st.manifest()["tokens"]]
+    assert len(tokens) == st.token_window and tokens[-1] == "second" and "spool-00000000-0" not in tokens
+    # the replay's part was written and dropped: every part file on disk is one the manifest names
+    files = {f.stem for f in st.parts_dir.glob("*.parquet")} - {"_empty"}
+    assert files == {p["name"] for p in st.manifest()["parts"]}
