@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ingest
 
 
 def main() -> None:
@@ -39,6 +40,7 @@ def main() -> None:
 
     import orjson
     import ttftscope.schemas.store.embedded as E
+    from ingest import age
     from ttftscope.collector import otlp_compiled
     from ttftscope.collector.otlp_sql import warm_up
     from ttftscope.collector.pipeline import Pipeline
@@ -66,12 +68,10 @@ def main() -> None:
         return t
 
     pipe._get_store().insert_spans(table(0), "warm")  # the pipeline warmed up, as a collector's is
+    age(str(tmp / "aged"))  # bench/ingest's: the manifest of a store that has run for hours
     fresh, aged = open_store(str(tmp / "fresh")), open_store(str(tmp / "aged"))
     for st in (fresh, aged):
         st.insert_spans(table(1), "first")
-    with aged._locked() as m:
-        m["tokens"] = [[f"{uuid.uuid4().hex}-{i}", time.time()] for i in range(aged.token_window - 1)] + m["tokens"]
-        aged._write_manifest(m)
     tables = [table(2 + r) for r in range(4 * a.rounds)]
     paused = getattr(E, "_json_loads", None)  # (None: a ttftscope before it, to compare against)
     rows: dict[tuple[str, str], list[float]] = {}
