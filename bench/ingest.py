@@ -136,7 +136,8 @@ def age(store_dir: str) -> None:
     """Give a new store the manifest of one that has run for hours (:data:`AGED`)."""
     st = open_store(store_dir)
     with st._locked() as m:
-        m["tokens"] = [[f"aged-{i:08d}", time.time() - 20_000 + i * 2] for i in range(st.token_window)]
+        sid = "a9ed" * 8  # a spool's tokens as they are: its uuid hex, then the segment's number
+        m["tokens"] = [[f"{sid}-{i + 1}", time.time() - 20_000 + i * 2] for i in range(st.token_window)]
         st._write_manifest(m)
     st.close()
 
