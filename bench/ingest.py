@@ -133,7 +133,9 @@ AGED = [False]
 
 
 def age(store_dir: str) -> None:
-    """Give a new store the manifest of one that has run for hours (:data:`AGED`)."""
+    """Give a new store the manifest of one that has run for hours (:data:`AGED`): its tokens one by
+    one, as a ttftscope before the window's runs (``schemas/store/tokens.py``) kept them; today's
+    store reads them as one run, and commits that from its first flush on."""
     st = open_store(store_dir)
     with st._locked() as m:
         sid = "a9ed" * 8  # a spool's tokens as they are: its uuid hex, then the segment's number

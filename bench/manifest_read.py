@@ -13,7 +13,10 @@ thread CPU, median of interleaved --rounds. (How often the GC's older generation
 the process's state: in this bench's process the reads cost the same either way, 1.6 ms, while
 another process of the same kind read 7.9-8.2 ms with the GC on against 1.2-1.3 paused; a real
 collector's figure is bench/ingest.py --aged-store.) Run it on an older ttftscope (no paused
-parse) and it times the store as it is.
+parse) and it times the store as it is. Since the window is kept as runs of a spool's segment
+numbers (``schemas/store/tokens.py``; this bench's own inserts use tokens of no spool form, an
+entry each) a store at the window reads and inserts as a fresh one: the old tokens, one by one,
+become one run at its first commit.
 
 Usage: python bench/manifest_read.py [--rounds 7]
 """

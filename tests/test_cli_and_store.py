@@ -191,19 +191,28 @@ def test_collect_uses_the_c_allocator_for_arrow_unless_told(env, want):
     assert r.stdout.split() == default  # other commands keep pyarrow's own choice
 
 
-def test_a_manifest_at_its_token_window_is_read_without_the_cyclic_gc(tmp_path):
-    # a collector flushing every 2 s fills the 10k insert-token window in under six hours; each
-    # read of that manifest (two a flush, one a query after each flush) made ~10k lists, and
-    # the GC collections they set off walk every object of the process (8-12 ms a read)
-    import gc
-
+def _legacy_window(st, n: int, spool: str = "a9ed" * 8) -> None:
+    """The store's manifest as an older ttftscope left it after a flush of token "first" and ``n``
+    flushes of one spool: its insert tokens one by one (``[token, time]``), a window of them ~600 KB."""
     import orjson
 
-    st = _fill(str(tmp_path / "s"), n=3, token="first")
     with st._locked() as m:
-        m["tokens"] = [[f"spool-{i:08d}-{i}", 1.7e9 + i] for i in range(st.token_window - 1)] + m["tokens"]
-        st._write_manifest(m)
-    want = orjson.loads(st.manifest_path.read_bytes())
+        m.pop("token_runs", None)
+        m["tokens"] = [["first", 1.6e9]] + [[f"{spool}-{i + 1}", 1.7e9 + 2 * i] for i in range(n)]
+        st.manifest_path.write_bytes(orjson.dumps(m))
+
+
+def test_a_store_at_its_token_window_keeps_a_small_manifest_and_still_spots_replays(tmp_path):
+    # a collector flushing every 2 s fills the 10k insert-token window in under six hours; kept
+    # one by one the tokens were ~600 KB of manifest, read twice, written and fsynced on every
+    # flush from then on, their ~10k lists setting off GC collections that walk every object of
+    # the process. Kept as runs of a spool's consecutive segment numbers they are one entry.
+    import gc
+
+    spool = "a9ed" * 8
+    st = _fill(str(tmp_path / "s"), n=3, token="first")
+    _legacy_window(st, st.token_window - 1)  # the window full: "first", then the spool's 1 ... 9,999
+    assert st.manifest_path.stat().st_size > 500_000  # as an older ttftscope left it
     collections = []
 
     def seen(phase, info):
@@ -216,7 +225,6 @@ def test_a_manifest_at_its_token_window_is_read_without_the_cyclic_gc(tmp_path):
         got = st._read_manifest()
     finally:
         gc.callbacks.remove(seen)
-    assert got["tokens"] == want["tokens"] and len(got["tokens"]) == st.token_window
     # (at most the one young-generation pass that the lists made meanwhile set off once the GC is
     # back on: it walks them alone, not the process's every object)
     assert collections in ([], [0]), f"the read set off GC collections of generations {collections}"
@@ -227,12 +235,67 @@ def test_a_manifest_at_its_token_window_is_read_without_the_cyclic_gc(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
-    # the window still does its work: the oldest token is dropped, a replay of a recent one is not stored
+    from ttftscope.schemas.store import tokens as tk
+
+    # read as runs: the same window
+    assert tk.tokens(got["token_runs"]) == ["first"] + [f"{spool}-{i}" for i in range(1, st.token_window)]
+    # the next flush of the same spool: the window full, the oldest token forgotten, the manifest small
     before = st.query("SELECT count() FROM otel_traces").item()
-    _fill(str(tmp_path / "s"), n=2, token="second")
-    assert _fill(str(tmp_path / "s"), n=2, token="first").query("SELECT count() FROM otel_traces").item() == before + 2
-    tokens = [t for t, _ in st.manifest()["tokens"]]
-    assert len(tokens) == st.token_window and tokens[-1] == "second" and "spool-00000000-0" not in tokens
-    # the replay's part was written and dropped: every part file on disk is one the manifest names
+    _fill(str(tmp_path / "s"), n=2, token=f"{spool}-{st.token_window}")
+    assert st.query("SELECT count() FROM otel_traces").item() == before + 2
+    assert st.manifest_path.stat().st_size < 2_000, st.manifest_path.stat().st_size
+    m = st.manifest()
+    assert m["tokens"] == [] and tk.size(m["token_runs"]) == st.token_window
+    assert tk.tokens(m["token_runs"]) == [f"{spool}-{i}" for i in range(1, st.token_window + 1)]
+    # replays of the newest, the oldest kept and a middle one are spotted; "first", forgotten, is not
+    for replay in (st.token_window, 1, 5_000):
+        _fill(str(tmp_path / "s"), n=2, token=f"{spool}-{replay}")
+    assert st.query("SELECT count() FROM otel_traces").item() == before + 2
+    assert _fill(str(tmp_path / "s"), n=2, token="first").query("SELECT count() FROM otel_traces").item() \
+        == before + 4
+    # the replays' parts were written and dropped: every part file on disk is one the manifest names
     files = {f.stem for f in st.parts_dir.glob("*.parquet")} - {"_empty"}
     assert files == {p["name"] for p in st.manifest()["parts"]}
+
+
+def test_the_token_window_keeps_the_newest_tokens_as_one_by_one_would():
+    """Runs against the window kept one by one (a deque of the last N): a collector's spool with
+    gaps in its numbering, restarts under new spool ids (or an old one), tokens of no spool form;
+    then collectors committing in turn (the order across runs is by time: exact at even rates)."""
+    import collections
+    import random
+
+    from ttftscope.schemas.store import tokens as tk
+
+    rng = random.Random(7)
+    for window in (1, 5, 64):
+        runs, ref, t, sid, seq = [], collections.deque(maxlen=window), 0.0, "aa", 0
+        for _ in range(2_000):
+            t += rng.choice((0.5, 2.0, 7.0))
+            r = rng.random()
+            if r < 0.03:  # a restart: a new spool id (one with a dash in it too), after a token of no
+                # spool form (a store written by hand), or the same id numbering on (segments were left over)
+                if rng.random() < 0.7:
+                    sid, seq = rng.choice(("bb-", "cc-1-")) + str(rng.randrange(10**9)), 0
+                    token = rng.choice(("bench", "t-007", "x-", f"plain{rng.randrange(10**6)}"))
+                else:
+                    seq += 1
+                    token = f"{sid}-{seq}"
+            else:  # the next segment, now and then a few numbers on (segments with nothing to store)
+                seq += rng.choice((2, 3)) if rng.random() < 0.1 else 1
+                token = f"{sid}-{seq}"
+            if token in ref:
+                assert tk.contains(runs, token)
+                continue
+            assert not tk.contains(runs, token), token
+            tk.add(runs, token, t, window)
+            ref.append(token)
+            assert sorted(tk.tokens(runs)) == sorted(ref), (window, token)
+            assert tk.valid(runs) and tk.size(runs) == len(ref)
+    # several collectors on one store, committing in turn: one run each, the newest kept by time
+    runs, ref = [], collections.deque(maxlen=300)
+    for i in range(1, 1_001):
+        for w, sid in enumerate(("c0", "c1", "c2")):
+            tk.add(runs, f"{sid}-{i}", 10.0 * i + w, 300)
+            ref.append(f"{sid}-{i}")
+    assert len(runs) == 3 and sorted(tk.tokens(runs)) == sorted(ref)

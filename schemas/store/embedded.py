@@ -16,7 +16,8 @@ the manifest are orphans, removed later. Small parts are merged in the backgroun
 larger ones (like MergeTree); merged-away files are deleted after a grace period so that
 a reader still holding the old snapshot can finish. Retention drops whole parts by age
 (like ``ttl_only_drop_parts``). Insert tokens are remembered like ClickHouse's
-``non_replicated_deduplication_window``: the same batch inserted twice is stored once.
+``non_replicated_deduplication_window``: the same batch inserted twice is stored once (the
+window kept as runs of a spool's consecutive segment numbers: ``tokens.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .. import engine
 from ..columns import ARROW_SCHEMA, clickhouse_structure
 from ..ddl import SCHEMA_VERSION, TRACE_ID_TS, TRACES
 from ..sql import quote
-from . import parquet_concat
+from . import parquet_concat, tokens
 from .base import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("ttftscope.store")
@@ -235,7 +236,8 @@ class EmbeddedStore(Store):
             "schema_version": SCHEMA_VERSION,
             "generation": 0,
             "parts": [],
-            "tokens": [],
+            "tokens": [],  # insert tokens one by one: only as an older ttftscope wrote them (read, then moved)
+            "token_runs": [],  # the insert-token window (schemas/store/tokens.py)
             "garbage": [],
         }
 
@@ -258,6 +260,17 @@ class EmbeddedStore(Store):
         for p in m["parts"]:
             if not isinstance(p, dict) or not {"name", "rows", "min_ts", "max_ts", "day", "level"} <= p.keys():
                 raise StoreError(f"corrupt manifest {self.manifest_path}: a part entry is malformed; {REPAIR_HINT}")
+        runs = m.get("token_runs", [])
+        if not tokens.valid(runs):
+            raise StoreError(f"corrupt manifest {self.manifest_path}: 'token_runs' is malformed; {REPAIR_HINT}")
+        if m["tokens"]:  # written one by one, by an older ttftscope: the same window as runs
+            try:
+                runs = tokens.from_pairs(m["tokens"], self.token_window, runs=runs)
+            except (TypeError, ValueError) as e:
+                raise StoreError(f"corrupt manifest {self.manifest_path}: an insert token is malformed ({e}); "
+                                 f"{REPAIR_HINT}") from e
+            m["tokens"] = []
+        m["token_runs"] = runs
         m.setdefault("quarantined", [])
         return m
 
@@ -358,13 +371,12 @@ class EmbeddedStore(Store):
         with self._locked() as m:
             if m is None:
                 raise StoreUnavailable(f"store {self.root} lost its manifest; reopen it to rebuild")
-            if any(t == token for t, _ in m["tokens"]):
+            if tokens.contains(m["token_runs"], token):
                 for p in new_parts:
                     (self.parts_dir / f"{p['name']}.parquet").unlink(missing_ok=True)
                 return False
             m["parts"].extend(new_parts)
-            m["tokens"].append([token, time.time()])
-            m["tokens"] = m["tokens"][-self.token_window :]
+            tokens.add(m["token_runs"], token, time.time(), self.token_window)
             self._write_manifest(m)
         return True
 
@@ -411,12 +423,12 @@ class EmbeddedStore(Store):
 
     def _merged_meta(self, parts: list[dict], paths: list[Path]) -> dict:
         """A merged part names the parts it replaces and keeps their insert tokens."""
-        tokens: list[str] = []
+        kept: list[str] = []
         for path in paths:
             kv = pq.ParquetFile(path).schema_arrow.metadata or {}
             meta = _json_loads(kv[PART_META]) if PART_META in kv else {}
-            tokens += ([meta["token"]] if meta.get("token") else []) + meta.get("tokens", [])
-        return {"merged_from": [p["name"] for p in parts], "tokens": tokens[-self.token_window:]}
+            kept += ([meta["token"]] if meta.get("token") else []) + meta.get("tokens", [])
+        return {"merged_from": [p["name"] for p in parts], "tokens": kept[-self.token_window:]}
 
     def _merge_parts(self, parts: list[dict], level: int) -> dict:
         """Merge parts into one, in order of their first span: their bytes copied when each is
@@ -593,17 +605,17 @@ class EmbeddedStore(Store):
                 (described.append(d) if d else unreadable.append(path))
             replaced = {n for _, meta in described for n in meta.get("merged_from", [])}
             parts = [e for e, _ in described if e["name"] not in replaced]
-            tokens = sorted(([t, e["created"]] for e, meta in described
-                             for t in ([meta["token"]] if meta.get("token") else []) + meta.get("tokens", [])),
-                            key=lambda t: t[1])
-            tokens = list({t: c for t, c in tokens}.items())
+            pairs = sorted(([t, e["created"]] for e, meta in described
+                            for t in ([meta["token"]] if meta.get("token") else []) + meta.get("tokens", [])),
+                           key=lambda t: t[1])
+            pairs = list({t: c for t, c in pairs}.items())
             old = None
             if self.manifest_path.exists():
                 old = self.manifest_path.with_name(f"manifest.json.corrupt-{int(time.time())}")
                 os.replace(self.manifest_path, old)
             m = self._new_manifest()
             m["parts"] = parts
-            m["tokens"] = tokens[-self.token_window :]
+            m["token_runs"] = tokens.from_pairs(pairs, self.token_window)
             m["garbage"] = [[n, time.time()] for n in sorted(replaced)
                             if (self.parts_dir / f"{n}.parquet").exists()]
             m["quarantined"] = []
