@@ -152,7 +152,7 @@ def test_collector_on_a_store_without_manifest_keeps_the_data(collector_factory,
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"format": "ttftscope-embedded", "parts": null}',
                                      b'{"format": "ttftscope-embedded", "generation": 3}', b"[]",
                                      b'{"format": "ttftscope-embedded", "parts": [], "tokens": [], "garbage": [], '
-                                     b'"token_runs": [["x", 1]]}',
+                                     b'"token_runs": [["x", 1, 2]]}',
                                      b'{"format": "ttftscope-embedded", "parts": [], "tokens": [["x"]], "garbage": []}'])
 def test_every_corrupt_manifest_is_a_clear_error_then_repaired(tmp_path, content):
     """In the store every command opens (the CLI's path is the next test): each kind of damage

@@ -68,7 +68,8 @@ def trim(runs: list[list], window: int) -> None:
     """Forget the oldest tokens until at most ``window`` are held, in place."""
     over = size(runs) - max(window, 0)
     while over > 0 and runs:
-        i = min(range(len(runs)), key=lambda k: runs[k][T_FIRST] if len(runs[k]) == 5 else runs[k][1])
+        firsts = [r[T_FIRST] if len(r) == 5 else r[1] for r in runs]
+        i = firsts.index(min(firsts))
         r = runs[i]
         n = _n(r)
         if n <= over:
