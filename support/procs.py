@@ -202,13 +202,18 @@ class VllmServer:
     as ``ttftscope run`` / the demo launch it (``ttftscope.servers``)."""
 
     def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True, eager: bool = False,
-                 extra: list[str] | None = None, env: dict | None = None, run: str = "test"):
+                 extra: list[str] | None = None, env: dict | None = None, run: str = "test", serve: bool = False):
+        """``serve``: started as ``vllm serve`` is (support/vllm_serve.py), not as the OpenAI server's
+        module, for what only that path does (``--api-server-count``)."""
         from ttftscope.tinymodel import shared_tiny_model
 
         self.model = str(shared_tiny_model())  # one path: vLLM's compile caches are reused
         self.port = free_port()
         self.log = tmp / f"vllm-{self.port}.log"
         self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra)
+        if serve:  # [PY, -m, the module, --model, MODEL, ...] -> [PY, vllm_serve.py, MODEL, ...]
+            assert self.cmd[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"], self.cmd[:5]
+            self.cmd = [self.cmd[0], str(ROOT / "support" / "vllm_serve.py"), *self.cmd[4:]]
         self.env = vllm_env(endpoint, run, tp=tp, eager=eager, plugin=plugin,
                             extra={"VLLM_LOGGING_LEVEL": "INFO", **(env or {})})
         self.child = Child(self.cmd, self.log, env=self.env, cwd=str(tmp))

@@ -437,3 +437,48 @@ def test_collector_down_requests_still_succeed_with_bounded_memory(tmp_path):
     grew = {k: side_after[k] - side_before[k] for k in side_after}
     assert all(g < 32 for g in grew.values()), f"export sidecars grew {grew} MB with the collector down"
     assert "Traceback" not in serving_log
+
+
+def test_vllm_serve_with_two_api_servers_names_each_and_times_every_request(tmp_path):
+    """``vllm serve --api-server-count 2``: vLLM's launcher starts two API server processes on one
+    port (``ApiServer_0`` / ``_1``, spawned children: their command line is not vLLM's), which is
+    how a busy deployment scales its front end. Each must install the front end's adapters and
+    name itself an API server (it was ``other``), and every request, whichever process served it,
+    must have its client-TTFT window — no longer than the client's own stopwatch read — and its
+    engine-side phases in one trace."""
+    import concurrent.futures
+
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="two-api", serve=True,
+                     extra=["--api-server-count", "2"]).start()
+    try:
+        srv.completion("warm up the model", 2)
+
+        def one(i: int) -> tuple[str, float]:
+            t0 = time.time()
+            rid = srv.stream(prompt_of(60, 200 + i))[0]["id"] if i % 2 else srv.completion(prompt_of(60, 200 + i))["id"]
+            return rid, time.time() - t0
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # concurrent: both processes accept some
+            served = list(pool.map(one, range(16)))
+        col.wait_quiet()
+        log = srv.output()
+    finally:
+        srv.stop()
+    assert col.terminate() == 0
+    assert "Started 2 API server processes" in log, log[-3000:]
+    assert "ttftscope: adapter" not in log, "no adapter disabled"
+    front = ttftscope_sql(col.store, """
+        SELECT SpanName AS name, ResourceAttributes['ttftscope.process.role'] AS role,
+               ResourceAttributes['process.pid'] AS pid, count() AS n FROM otel_traces
+        WHERE SpanName IN ('ttftscope.http', 'ttftscope.receive', 'ttftscope.tokenize', 'ttftscope.deliver',
+                           'llm_request') GROUP BY name, role, pid""")
+    assert {r["role"] for r in front} == {"api_server"}, front
+    assert len({r["pid"] for r in front if r["name"] == "ttftscope.http"}) == 2, ("both API servers served", front)
+    for rid, client_s in served:
+        trace = _trace_of(col.store, rid)
+        spans = {r["SpanName"]: int(r["d"]) for r in ttftscope_sql(
+            col.store, "SELECT SpanName, max(Duration) AS d FROM otel_traces WHERE TraceId = {t:String} GROUP BY SpanName",
+            params={"t": trace})}
+        assert {"ttftscope.http", "ttftscope.deliver", "ttftscope.queue", "ttftscope.prefill"} <= spans.keys(), (rid, spans)
+        assert 0 < spans["ttftscope.http"] / 1e9 <= client_s + 0.001, (rid, spans["ttftscope.http"], client_s)

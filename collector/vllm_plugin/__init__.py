@@ -36,11 +36,17 @@ __all__ = ["register", "detect_role", "PluginConfig", "ADAPTERS", "RT"]
 
 
 def detect_role() -> str:
+    """This process's role, from its multiprocessing name (vLLM names the processes it starts:
+    ``EngineCore...``, ``...Worker...``, and ``ApiServer_<i>`` for each of ``vllm serve
+    --api-server-count N``'s API servers) or else the command line (the API server that is
+    the main process)."""
     name = multiprocessing.current_process().name
     if "EngineCore" in name:
         return ProcessRole.ENGINE_CORE.value
     if "Worker" in name:
         return ProcessRole.WORKER.value
+    if name.startswith("ApiServer"):
+        return ProcessRole.API_SERVER.value
     argv = " ".join(sys.argv)
     if "api_server" in argv or " serve" in argv or "openai" in argv:
         return ProcessRole.API_SERVER.value
