@@ -439,18 +439,20 @@ def test_collector_down_requests_still_succeed_with_bounded_memory(tmp_path):
     assert "Traceback" not in serving_log
 
 
-def test_vllm_serve_with_two_api_servers_names_each_and_times_every_request(tmp_path):
+@pytest.mark.parametrize("flags,engines", [(["--api-server-count", "2"], 1), (["--data-parallel-size", "2"], 2)],
+                         ids=["api-servers-2", "data-parallel-2"])
+def test_vllm_serve_with_two_api_servers_names_each_and_times_every_request(tmp_path, flags, engines):
     """``vllm serve --api-server-count 2``: vLLM's launcher starts two API server processes on one
     port (``ApiServer_0`` / ``_1``, spawned children: their command line is not vLLM's), which is
-    how a busy deployment scales its front end. Each must install the front end's adapters and
-    name itself an API server (it was ``other``), and every request, whichever process served it,
-    must have its client-TTFT window — no longer than the client's own stopwatch read — and its
-    engine-side phases in one trace."""
+    how a busy deployment scales its front end; ``--data-parallel-size 2`` does the same in front
+    of two engine cores (each with its worker). Each API server must install the front end's
+    adapters and name itself an API server (they were ``other``), and every request, whichever
+    processes served it, must have its client-TTFT window — no longer than the client's own
+    stopwatch read — and its engine-side phases in one trace."""
     import concurrent.futures
 
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
-    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="two-api", serve=True,
-                     extra=["--api-server-count", "2"]).start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="two-api", serve=True, extra=flags).start()
     try:
         srv.completion("warm up the model", 2)
 
@@ -475,6 +477,10 @@ def test_vllm_serve_with_two_api_servers_names_each_and_times_every_request(tmp_
                            'llm_request') GROUP BY name, role, pid""")
     assert {r["role"] for r in front} == {"api_server"}, front
     assert len({r["pid"] for r in front if r["name"] == "ttftscope.http"}) == 2, ("both API servers served", front)
+    engine = ttftscope_sql(col.store, """
+        SELECT DISTINCT ResourceAttributes['process.pid'] AS pid FROM otel_traces
+        WHERE SpanName = 'ttftscope.prefill' AND ResourceAttributes['ttftscope.process.role'] = 'engine_core'""")
+    assert len(engine) == engines, engine
     for rid, client_s in served:
         trace = _trace_of(col.store, rid)
         spans = {r["SpanName"]: int(r["d"]) for r in ttftscope_sql(
