@@ -33,10 +33,21 @@ from collections import OrderedDict
 
 import orjson
 from ttftscope.schemas.phases import Phase
-from ttftscope.schemas.vocabulary import Attr, SpanName
+from ttftscope.schemas.vocabulary import Attr, ProcessRole, SpanName
 
 from .adapters import FRONTEND, Internal, adapter
-from .runtime import RT, hot, log, new_traceparent, sampled, set_model, span, timing_floor, turn_off
+from .runtime import (
+    RT,
+    claim_role,
+    hot,
+    log,
+    new_traceparent,
+    sampled,
+    set_model,
+    span,
+    timing_floor,
+    turn_off,
+)
 
 #: (received at, traceparent) of the HTTP request this task serves
 HTTP: contextvars.ContextVar[tuple[float, str] | None] = contextvars.ContextVar("ttftscope_http", default=None)
@@ -401,6 +412,7 @@ def _install_http() -> None:
     @functools.wraps(orig)
     def init_middleware(args, app, *a, **kw):
         r = orig(args, app, *a, **kw)
+        claim_role(ProcessRole.API_SERVER.value)
         set_model(getattr(args, "served_model_name", None) or getattr(args, "model", None))
         try:
             app.add_middleware(ClientTTFTMiddleware)  # added last = outermost: sees the most

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ttftscope.schemas.vocabulary import VOCABULARY_VERSION, Attr, ResourceAttr
+from ttftscope.schemas.vocabulary import VOCABULARY_VERSION, Attr, ProcessRole, ResourceAttr
 
 from .config import PluginConfig
 
@@ -229,6 +229,31 @@ def set_model(name) -> None:
                 d._resource_attrs = None
     except Exception:  # noqa: BLE001 - a label is not worth hurting the server
         log.exception("ttftscope: could not name the model on this process's spans")
+
+
+def claim_role(role: str) -> None:
+    """This process is ``role`` by what vLLM does in it (it builds the OpenAI server's app: an
+    API server), where its name and command line had not said (``other``: a launcher of the
+    user's own, ``python my_server.py``). The plugin's records queued from now on carry it, vLLM's
+    ``llm_request`` included (vLLM's start-up spans, made already, keep what they had); its export
+    sidecar, if not started yet, starts under it. A role already known stays."""
+    if RT.role not in (None, ProcessRole.OTHER.value) or role == RT.role:
+        return
+    RT.role = role
+    try:
+        from opentelemetry.sdk.resources import Resource
+
+        named = Resource({ResourceAttr.ROLE: role, ResourceAttr.SERVICE_INSTANCE: f"{role}-{os.getpid()}"})
+        for d in (RT.deferred, RT.vllm_spans):
+            if d is not None and d.resource is not None:
+                d.resource = d.resource.merge(named)
+                d._resource_attrs = None
+        link = getattr(RT.processor, "link", None)
+        if link is not None and getattr(link, "proc", None) is None:
+            link.role = role
+        log.info("ttftscope: this process serves vLLM's OpenAI API: role %s", role)
+    except Exception:  # noqa: BLE001 - a label is not worth hurting the server
+        log.exception("ttftscope: could not name this process's role on its spans")
 
 
 _EXIT_HOOKS: list = []
