@@ -492,3 +492,66 @@ def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, fla
             params={"t": trace})}
         assert {"ttftscope.http", "ttftscope.deliver", "ttftscope.queue", "ttftscope.prefill"} <= spans.keys(), (rid, spans)
         assert 0 < spans["ttftscope.http"] / 1e9 <= client_s + 0.001, (rid, spans["ttftscope.http"], client_s)
+
+
+def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
+    """Clients give up (timeouts, a closed tab): one that closed its connection before the first
+    token saw none, and uvicorn's send then writes nothing, silently. Its request must not count
+    as a client TTFT (the ``ttftscope.http`` span, the collector's TTFT histogram that alerts
+    read): the witness is each client's own record of whether a first token reached it. The
+    server keeps serving, and no hook of the plugin fails on the aborted requests."""
+    import socket
+    import threading
+
+    from ttftscope.schemas import metrics as M
+
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="gone").start()
+    got_token: list[bool] = []
+
+    def client(i: int, leave_at_once: bool) -> None:
+        body = json.dumps({"model": srv.model, "prompt": prompt_of(200, 300 + i), "max_tokens": 64,
+                           "stream": True, "ignore_eos": True}).encode()
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        seen, token = b"", False
+        while not leave_at_once and not token and len(seen) < 1 << 20:  # until its first token, then it leaves
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            seen += chunk
+            for line in seen.split(b"\n"):  # the first event whose choice has text (a token may decode to "")
+                if line.startswith(b"data: {"):
+                    token = token or any(c.get("text") for c in json.loads(line[6:]).get("choices") or ())
+        s.close()
+        got_token.append(token)
+
+    try:
+        srv.completion("warm up the model", 2)
+        srv.stream("warm up the stream", 2)
+        threads = [threading.Thread(target=client, args=(i, i % 2 == 0)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        time.sleep(2)
+        after = [srv.stream(prompt_of(30, 400 + i))[0]["id"] for i in range(3)]
+        col.wait_quiet()
+        exposed = requests.get(col.url + "/metrics", timeout=10).text
+        log = srv.output()
+    finally:
+        srv.stop()
+    assert col.terminate() == 0
+    assert got_token.count(True) == 8 and len(got_token) == 16, got_token
+    saw = 2 + got_token.count(True) + len(after)  # the warm-ups, the clients that read a token, the last three
+    http = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.http'")[0]["n"]
+    assert int(http) == saw, f"{http} client-TTFT windows for {saw} clients that saw a first token"
+    count = sum(float(line.rsplit(" ", 1)[1]) for line in exposed.splitlines() if line.startswith(f"{M.TTFT}_count"))
+    assert count == saw, (count, saw)
+    assert "ttftscope: hook" not in log, "no hook failed on the aborted requests"
+    for rid in after:
+        spans = {r["SpanName"] for r in ttftscope_sql(col.store, "SELECT DISTINCT SpanName FROM otel_traces "
+                                                                 "WHERE TraceId = {t:String}",
+                                                      params={"t": _trace_of(col.store, rid)})}
+        assert {"ttftscope.http", "ttftscope.deliver", "ttftscope.queue", "ttftscope.prefill"} <= spans, (rid, spans)

@@ -217,12 +217,18 @@ class ClientTTFTMiddleware:
             # the server writes to the transport synchronously inside send(); the time after
             # it returns may include other tasks the event loop ran first
             t_write = time.time()
+            # (asked before the send: after a response's last bytes the server may close the
+            # connection itself, Connection: close)
+            tr = scope.get(TRANSPORT_KEY) if first else None
+            gone = tr is not None and tr.is_closing()
             r = await send(msg)
             if choice and not first:
                 st["choice_at"] = st["choice_at"] or t_write
                 st["empty"] += 1
             if first:
                 st["done"] = True
+                if gone:  # the client left before its first token: it saw none
+                    return r
                 if LIVE[0]:
                     try:
                         _on_first_bytes(t_recv, t_write, tp, st, scope.get("path", ""))
@@ -259,6 +265,9 @@ def _priority_of(body: bytes) -> str:
 
 #: the scope key where the arrival hook leaves the time the request's first bytes were read
 ARRIVAL_KEY = "ttftscope.arrival"
+#: ... and the connection's transport: a client that closed it before the first token saw no
+#: first token (uvicorn's send then writes nothing, silently), so it has no client TTFT
+TRANSPORT_KEY = "ttftscope.transport"
 
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux
@@ -374,6 +383,7 @@ def _install_arrival() -> None:
         except Exception:  # noqa: BLE001 - not TCP (a Unix socket: --uds): the read's time
             pass
         self.scope[ARRIVAL_KEY] = rx  # (scope: a dict the original has just set up)
+        self.scope[TRANSPORT_KEY] = self.transport  # whether the client is still there at the first token
 
     P.data_received, P.on_message_begin = data_received, on_message_begin
 
