@@ -439,9 +439,9 @@ def test_collector_down_requests_still_succeed_with_bounded_memory(tmp_path):
     assert "Traceback" not in serving_log
 
 
-@pytest.mark.parametrize("flags,api_servers,engines", [([], 1, 1), (["--api-server-count", "2"], 2, 1),
+@pytest.mark.parametrize("flags,api_servers,engines", [(["--api-server-count", "2"], 2, 1),
                                                        (["--data-parallel-size", "2"], 2, 2)],
-                         ids=["one", "api-servers-2", "data-parallel-2"])
+                         ids=["api-servers-2", "data-parallel-2"])
 def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, flags, api_servers, engines):
     """``vllm serve --api-server-count 2``: vLLM's launcher starts two API server processes on one
     port (``ApiServer_0`` / ``_1``, spawned children: their command line is not vLLM's), which is
@@ -449,9 +449,8 @@ def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, fla
     of two engine cores (each with its worker). Each API server must install the front end's
     adapters and name itself an API server (they were ``other``), and every request, whichever
     processes served it, must have its client-TTFT window — no longer than the client's own
-    stopwatch read — and its engine-side phases in one trace. The single API server of ``one`` is
-    the main process of a launcher whose command line does not say what it is
-    (support/vllm_serve.py, as a user's own script): it names itself by building the API."""
+    stopwatch read — and its engine-side phases in one trace. (A single API server started by a
+    launcher whose command line does not say what it is: the next test's.)"""
     import concurrent.futures
 
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
@@ -499,18 +498,28 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
     token saw none, and uvicorn's send then writes nothing, silently. Its request must not count
     as a client TTFT (the ``ttftscope.http`` span, the collector's TTFT histogram that alerts
     read): the witness is each client's own record of whether a first token reached it. The
-    server keeps serving, and no hook of the plugin fails on the aborted requests."""
+    server keeps serving, and no hook of the plugin fails on the aborted requests. The server is
+    started as ``vllm serve`` through a launcher whose command line does not say what the process
+    is (support/vllm_serve.py, as a user's own script would): its API server names itself one by
+    building vLLM's OpenAI app (it reported as ``other``)."""
     import socket
     import threading
 
     from ttftscope.schemas import metrics as M
 
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
-    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="gone").start()
+    # while the switch is on, every model step takes 500 ms longer (a planted slow model,
+    # tests/planted): a client that leaves at once is gone long before its first token, however
+    # late its own thread gets a CPU to close the socket on this busy machine
+    switch = tmp_path / "switch"
+    switch.mkdir()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="gone", serve=True,
+                     env={"PYTHONPATH": str(ROOT / "tests" / "planted"), "PLANTED_EXECUTE_MS": "500",
+                          "PLANTED_SWITCH_DIR": str(switch)}).start()
     got_token: list[bool] = []
 
     def client(i: int, leave_at_once: bool) -> None:
-        body = json.dumps({"model": srv.model, "prompt": prompt_of(200, 300 + i), "max_tokens": 64,
+        body = json.dumps({"model": srv.model, "prompt": prompt_of(20, 300 + i), "max_tokens": 4,
                            "stream": True, "ignore_eos": True}).encode()
         s = socket.create_connection(("127.0.0.1", srv.port))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -530,12 +539,14 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
     try:
         srv.completion("warm up the model", 2)
         srv.stream("warm up the stream", 2)
+        (switch / "PLANTED_EXECUTE_MS").touch()
         threads = [threading.Thread(target=client, args=(i, i % 2 == 0)) for i in range(16)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        time.sleep(2)
+        time.sleep(5)  # the abandoned streams run to their end
+        (switch / "PLANTED_EXECUTE_MS").unlink()
         after = [srv.stream(prompt_of(30, 400 + i))[0]["id"] for i in range(3)]
         col.wait_quiet()
         exposed = requests.get(col.url + "/metrics", timeout=10).text
@@ -550,6 +561,9 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
     count = sum(float(line.rsplit(" ", 1)[1]) for line in exposed.splitlines() if line.startswith(f"{M.TTFT}_count"))
     assert count == saw, (count, saw)
     assert "ttftscope: hook" not in log, "no hook failed on the aborted requests"
+    roles = ttftscope_sql(col.store, """SELECT DISTINCT ResourceAttributes['ttftscope.process.role'] AS role
+        FROM otel_traces WHERE SpanName IN ('ttftscope.http', 'ttftscope.tokenize', 'llm_request')""")
+    assert [r["role"] for r in roles] == ["api_server"], roles
     for rid in after:
         spans = {r["SpanName"] for r in ttftscope_sql(col.store, "SELECT DISTINCT SpanName FROM otel_traces "
                                                                  "WHERE TraceId = {t:String}",
