@@ -269,7 +269,7 @@ def test_the_token_window_keeps_the_newest_tokens_as_one_by_one_would():
 
     rng = random.Random(7)
     for window in (1, 5, 64):
-        runs, ref, t, sid, seq = [], collections.deque(maxlen=window), 0.0, "aa", 0
+        runs, ref, t, sid, seq, pairs = [], collections.deque(maxlen=window), 0.0, "aa", 0, []
         for _ in range(2_000):
             t += rng.choice((0.5, 2.0, 7.0))
             r = rng.random()
@@ -290,8 +290,11 @@ def test_the_token_window_keeps_the_newest_tokens_as_one_by_one_would():
             assert not tk.contains(runs, token), token
             tk.add(runs, token, t, window)
             ref.append(token)
+            pairs.append([token, t])
             assert sorted(tk.tokens(runs)) == sorted(ref), (window, token)
             assert tk.valid(runs) and tk.size(runs) == len(ref)
+        # the same window from the pairs at once (an older manifest read; a lost one rebuilt)
+        assert sorted(tk.tokens(tk.from_pairs(pairs, window))) == sorted(ref)
     # several collectors on one store, committing in turn: one run each, the newest kept by time
     runs, ref = [], collections.deque(maxlen=300)
     for i in range(1, 1_001):
