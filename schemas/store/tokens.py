@@ -48,48 +48,36 @@ def contains(runs: list[list], token: str) -> bool:
 
 def add(runs: list[list], token: str, now: float, window: int) -> None:
     """Remember ``token`` (inserted at ``now``), in place; then forget the oldest past ``window``."""
-    prefix, seq = _split(token)
-    if seq < 0:
-        runs.append([token, now])
-    else:
-        for r in reversed(runs):  # the latest run of this spool id extends when the number follows on
-            if len(r) == 5 and r[PREFIX] == prefix:
-                if r[LAST] + 1 == seq:
-                    r[LAST], r[T_LAST] = seq, now
-                    break
-                runs.append([prefix, seq, seq, now, now])
-                break
-        else:
-            runs.append([prefix, seq, seq, now, now])
-    trim(runs, window)
+    from_pairs(((token, now),), window, runs)
 
 
 def trim(runs: list[list], window: int) -> None:
-    """Forget the oldest tokens until at most ``window`` are held, in place."""
+    """Forget the oldest tokens until at most ``window`` are held, in place: whole entries by the
+    time of their first token, oldest first, then the first tokens of the run that straddles."""
     over = size(runs) - max(window, 0)
-    if over > 64 and all(len(r) == 2 for r in runs):  # many tokens of no spool form: oldest first, at once
-        runs.sort(key=lambda r: r[1])
-        del runs[:over]
+    if over <= 0:
         return
-    while over > 0 and runs:
-        firsts = [r[T_FIRST] if len(r) == 5 else r[1] for r in runs]
-        i = firsts.index(min(firsts))
+    gone = set()
+    for i in sorted(range(len(runs)), key=lambda k: runs[k][T_FIRST] if len(runs[k]) == 5 else runs[k][1]):
         r = runs[i]
         n = _n(r)
         if n <= over:
-            del runs[i]
+            gone.add(i)
             over -= n
-            continue
-        r[T_FIRST] += (r[T_LAST] - r[T_FIRST]) / (n - 1) * over
-        r[FIRST] += over
-        over = 0
+        else:
+            r[T_FIRST] += (r[T_LAST] - r[T_FIRST]) / (n - 1) * over
+            r[FIRST] += over
+            over = 0
+        if over == 0:
+            break
+    if gone:
+        runs[:] = [r for i, r in enumerate(runs) if i not in gone]
 
 
 def from_pairs(pairs, window: int, runs: list[list] | None = None) -> list[list]:
-    """Runs from ``[token, time]`` pairs, oldest first (the manifest's form before runs, and what a
-    lost manifest is rebuilt from), added after ``runs``: as :func:`add` one by one would, in one
-    pass (an older store's 10,000 tokens of no spool form are 10,000 entries: one by one, each
-    add's scan and trim over them all came to seconds)."""
+    """Runs from ``[token, time]`` pairs, oldest first (one insert's token; the manifest's form
+    before runs, and what a lost manifest is rebuilt from), added after ``runs`` in one pass and
+    trimmed once: a spool id's latest run extends when the number follows on."""
     runs = [] if runs is None else runs
     latest = {r[PREFIX]: r for r in runs if len(r) == 5}  # a spool id's latest run
     for token, t in pairs:
