@@ -211,24 +211,30 @@ def setup_otel(role: str) -> None:
     mp_util.Finalize(None, on_exit, exitpriority=100)
 
 
-def set_model(name) -> None:
-    """Name the served model on this process's spans (resource ``ttftscope.model``): vLLM's
-    ``model_name`` metric label, so phase metrics group and join by model like vLLM's own.
-    Called once a role learns it (API server args, engine/worker config); spans already
-    queued keep the resource they were encoded with."""
-    if isinstance(name, (list, tuple)):
-        name = name[0] if name else None
-    if not name:
-        return
+def _name_on_spans(attrs: dict, what: str) -> None:
+    """Merge ``attrs`` into the resource of this process's span sources (the plugin's records and
+    vLLM's ``llm_request``): records queued from now on carry them, those queued already keep the
+    resource they were encoded with."""
     try:
         from opentelemetry.sdk.resources import Resource
 
         for d in (RT.deferred, RT.vllm_spans):
-            if d is not None and d.resource is not None and d.resource.attributes.get(ResourceAttr.MODEL) != name:
-                d.resource = d.resource.merge(Resource({ResourceAttr.MODEL: str(name)}))
+            if d is not None and d.resource is not None and any(d.resource.attributes.get(k) != v
+                                                                for k, v in attrs.items()):
+                d.resource = d.resource.merge(Resource(attrs))
                 d._resource_attrs = None
     except Exception:  # noqa: BLE001 - a label is not worth hurting the server
-        log.exception("ttftscope: could not name the model on this process's spans")
+        log.exception("ttftscope: could not name %s on this process's spans", what)
+
+
+def set_model(name) -> None:
+    """Name the served model on this process's spans (resource ``ttftscope.model``): vLLM's
+    ``model_name`` metric label, so phase metrics group and join by model like vLLM's own.
+    Called once a role learns it (API server args, engine/worker config)."""
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    if name:
+        _name_on_spans({ResourceAttr.MODEL: str(name)}, "the model")
 
 
 def claim_role(role: str) -> None:
@@ -240,20 +246,11 @@ def claim_role(role: str) -> None:
     if RT.role not in (None, ProcessRole.OTHER.value) or role == RT.role:
         return
     RT.role = role
-    try:
-        from opentelemetry.sdk.resources import Resource
-
-        named = Resource({ResourceAttr.ROLE: role, ResourceAttr.SERVICE_INSTANCE: f"{role}-{os.getpid()}"})
-        for d in (RT.deferred, RT.vllm_spans):
-            if d is not None and d.resource is not None:
-                d.resource = d.resource.merge(named)
-                d._resource_attrs = None
-        link = getattr(RT.processor, "link", None)
-        if link is not None and getattr(link, "proc", None) is None:
-            link.role = role
-        log.info("ttftscope: this process serves vLLM's OpenAI API: role %s", role)
-    except Exception:  # noqa: BLE001 - a label is not worth hurting the server
-        log.exception("ttftscope: could not name this process's role on its spans")
+    _name_on_spans({ResourceAttr.ROLE: role, ResourceAttr.SERVICE_INSTANCE: f"{role}-{os.getpid()}"}, "the role")
+    link = getattr(RT.processor, "link", None)  # the export sidecar's, not started yet: under the role
+    if link is not None and getattr(link, "proc", None) is None:
+        link.role = role
+    log.info("ttftscope: this process serves vLLM's OpenAI API: role %s", role)
 
 
 _EXIT_HOOKS: list = []
