@@ -439,10 +439,9 @@ def test_collector_down_requests_still_succeed_with_bounded_memory(tmp_path):
     assert "Traceback" not in serving_log
 
 
-@pytest.mark.parametrize("flags,api_servers,engines", [(["--api-server-count", "2"], 2, 1),
-                                                       (["--data-parallel-size", "2"], 2, 2)],
+@pytest.mark.parametrize("flags,engines", [(["--api-server-count", "2"], 1), (["--data-parallel-size", "2"], 2)],
                          ids=["api-servers-2", "data-parallel-2"])
-def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, flags, api_servers, engines):
+def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, flags, engines):
     """``vllm serve --api-server-count 2``: vLLM's launcher starts two API server processes on one
     port (``ApiServer_0`` / ``_1``, spawned children: their command line is not vLLM's), which is
     how a busy deployment scales its front end; ``--data-parallel-size 2`` does the same in front
@@ -470,7 +469,7 @@ def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, fla
     finally:
         srv.stop()
     assert col.terminate() == 0
-    assert ("Started 2 API server processes" in log) == (api_servers == 2), log[-3000:]
+    assert "Started 2 API server processes" in log, log[-3000:]
     assert "ttftscope: adapter" not in log, "no adapter disabled"
     front = ttftscope_sql(col.store, """
         SELECT SpanName AS name, ResourceAttributes['ttftscope.process.role'] AS role,
@@ -478,8 +477,7 @@ def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, fla
         WHERE SpanName IN ('ttftscope.http', 'ttftscope.receive', 'ttftscope.tokenize', 'ttftscope.deliver',
                            'llm_request') GROUP BY name, role, pid""")
     assert {r["role"] for r in front} == {"api_server"}, front
-    assert len({r["pid"] for r in front if r["name"] == "ttftscope.http"}) == api_servers, ("every API server served",
-                                                                                             front)
+    assert len({r["pid"] for r in front if r["name"] == "ttftscope.http"}) == 2, ("both API servers served", front)
     engine = ttftscope_sql(col.store, """
         SELECT DISTINCT ResourceAttributes['process.pid'] AS pid FROM otel_traces
         WHERE SpanName = 'ttftscope.prefill' AND ResourceAttributes['ttftscope.process.role'] = 'engine_core'""")
@@ -554,6 +552,7 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
         after = [srv.stream(prompt_of(30, 400 + i))[0]["id"] for i in range(3)]
         col.wait_quiet()
         exposed = requests.get(col.url + "/metrics", timeout=10).text
+        vllm_first_tokens = srv.metrics()["vllm:time_to_first_token_seconds_count"]
         log = srv.output()
     finally:
         srv.stop()
@@ -562,6 +561,9 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
     saw = 2 + got_token.count(True) + len(after)  # the warm-ups, the clients that read a token, the last three
     http = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.http'")[0]["n"]
     assert int(http) == saw, f"{http} client-TTFT windows for {saw} clients that saw a first token"
+    # vLLM's own count agrees: it made no first token for a client that had left (it aborted those
+    # requests; the middleware used to take their empty responses' end, written to nobody, as one)
+    assert vllm_first_tokens == saw, (vllm_first_tokens, saw)
     count = sum(float(line.rsplit(" ", 1)[1]) for line in exposed.splitlines() if line.startswith(f"{M.TTFT}_count"))
     assert count == saw, (count, saw)
     assert "ttftscope: hook" not in log, "no hook failed on the aborted requests"
