@@ -23,12 +23,13 @@ import hmac
 import html
 import logging
 import re
+import resource
 import socket
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from email.utils import formatdate
 from http.server import DEFAULT_ERROR_CONTENT_TYPE, DEFAULT_ERROR_MESSAGE, BaseHTTPRequestHandler
 
@@ -70,11 +71,41 @@ class ServerConfig:
     max_memory_bytes: int = 1 << 30
     #: a client that sends nothing for this long (headers or body) is cut off (408 on a body)
     read_timeout_s: float = 15.0
-    #: open connections at most; more are answered 503 and closed at once
-    max_connections: int = 256
+    #: open connections at most; more are answered 503 and closed at once. A fleet holds one
+    #: kept-alive connection an exporting process (a hundred vLLM servers: ~600), so the cap is
+    #: high; each idle one costs a few KB. Lowered to what the open-file limit allows
+    #: (:func:`fit_open_files`)
+    max_connections: int = 4096
     #: group commit: a small request waits at most this long for others to share its spool
     #: sync and its checks (not at all when every open connection is waiting)
     commit_window_s: float = 0.05
+
+
+#: descriptors kept for everything but connections: the spool's segments, the store's part
+#: files (a query or a merge opens one per part), chDB's own (~40 at rest)
+FD_RESERVE = 256
+
+
+def fit_open_files(max_connections: int) -> tuple[int, str | None]:
+    """Make room for ``max_connections`` connections: this process's soft open-file limit raised
+    as far as needed, up to the hard limit (the usual soft limit, 1,024, holds ~750); where the
+    hard limit is lower, the cap lowered to fit, so that a connection past it is answered 503
+    instead of an accept failing for want of a descriptor. (the cap, a warning or None)"""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections, None
+    cap = max(soft - FD_RESERVE, soft // 4, 1)
+    return cap, (f"--max-connections lowered to {cap}: the open-file limit is {soft} (hard {hard}) and "
+                 f"{FD_RESERVE} descriptors are kept for the spool and the store; raise it (ulimit -n, "
+                 f"systemd's LimitNOFILE=, docker's --ulimit nofile=) for {max_connections} connections")
 
 
 _date = [0, ""]
@@ -752,6 +783,10 @@ class CollectorHTTPServer:
     requests in flight finished."""
 
     def __init__(self, config: ServerConfig, pipeline: Pipeline) -> None:
+        cap, warning = fit_open_files(config.max_connections)
+        if warning:
+            log.warning("%s", warning)
+            config = replace(config, max_connections=cap)
         self.config = config
         self.pipeline = pipeline
         self.metrics = pipeline.metrics
@@ -769,7 +804,7 @@ class CollectorHTTPServer:
         self._mark = None
         self._commit_timer: asyncio.TimerHandle | None = None
         self._commit_now = False
-        self._sock = socket.create_server((config.host, config.port), backlog=128)
+        self._sock = socket.create_server((config.host, config.port), backlog=1024)  # a fleet reconnecting at once after a restart
         self.server_address = self._sock.getsockname()
         self._aserver = None
         # a response head depends on (code, type, length, close) and the second it is sent

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -89,9 +90,11 @@ class CollectorProc:
     """``ttftscope collect`` as a real subprocess."""
 
     def __init__(self, store: str, spool: Path, port: int | None = None, extra: list[str] | None = None,
-                 flush_interval: float = 0.2, nice: int = 0, env: dict[str, str] | None = None):
+                 flush_interval: float = 0.2, nice: int = 0, env: dict[str, str] | None = None,
+                 nofile: tuple[int, int] | None = None):
         self.store, self.spool = store, spool
         self.flush_interval, self.nice = flush_interval, nice
+        self.nofile = nofile  # (soft, hard) open-file limit to start it under; None: this process's
         self.env = {**os.environ, **env} if env else None  # (None: this process's own)
         self.port = port or free_port()
         self.extra = extra or []
@@ -106,9 +109,16 @@ class CollectorProc:
         cmd = [PY, "-m", "ttftscope", "collect", "--store", self.store, "--spool", str(self.spool),
                "--listen", f"127.0.0.1:{self.port}", "--flush-interval", str(self.flush_interval), *self.extra]
         self._logf = open(self.log, "ab")
-        nice = self.nice  # from birth, so every thread (and chDB's pool) inherits it
+        nice, nofile = self.nice, self.nofile  # from birth, so every thread (and chDB's pool) inherits it
+
+        def born() -> None:
+            if nice:
+                os.nice(nice)
+            if nofile:
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
         self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env,
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+                                     preexec_fn=born if nice or nofile else None)
         wait_http(self.url + "/healthz", self.proc)
         return self
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -454,6 +455,69 @@ def test_stalled_connections_are_cut_off_and_capped(collector_factory):
     assert col.terminate() == 0
     assert "Traceback" not in col.output()
     _exact(col.store, _ids(1, 10))
+
+
+def _fleet_round(port: int, n: int, first: int) -> tuple[list[bytes], set[str]]:
+    """``n`` keep-alive connections open at once, as a fleet's exporting processes hold them;
+    each posts one batch of 5 numbered spans. The status lines in connection order, and the ids
+    of the batches answered 200."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(n)]
+    for k, s in enumerate(socks):
+        body = _batch(first + k, 5)
+        s.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    status, acked = [], set()
+    for k, s in enumerate(socks):
+        head = b""
+        while b"\r\n" not in head:
+            got = s.recv(4096)
+            if not got:
+                break
+            head += got
+        status.append(head.split(b"\r\n", 1)[0])
+        if head.startswith(b"HTTP/1.1 200"):
+            acked |= _ids(first + k, 5)
+    for s in socks:
+        s.close()
+    return status, acked
+
+
+def test_a_fleet_of_kept_alive_exporters_is_served_whole(collector_factory):
+    """A fleet of vLLM servers holds an export connection a process to one collector (an API
+    server, an engine core and workers each, kept alive between exports; a hundred servers ~600):
+    1,100 at once are every one served, though the collector starts under the usual soft
+    open-file limit of 1,024 (it raises its own, up to the hard limit). At the old cap of 256 the
+    rest were answered 503 -- for as long as the others stayed connected, so their spans piled up
+    in the exporters' queues until dropped."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    n = 1100
+    if hard != resource.RLIM_INFINITY and hard < 2 * n + 1024:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room for {n} connections on both ends")
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < n + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n + 256, hard))
+    col = collector_factory(nofile=(1024, hard)).start()
+    status, acked = _fleet_round(col.port, n, 0)
+    assert status == [b"HTTP/1.1 200 OK"] * n, {s: status.count(s) for s in set(status)}
+    assert col.terminate() == 0
+    _exact(col.store, acked)
+
+
+def test_an_open_file_limit_below_the_connection_cap_lowers_the_cap_and_says_so(collector_factory):
+    """Started where even the hard open-file limit is 400, the collector does not promise 4,096
+    connections it cannot open (an accept failing for want of a descriptor): it says what it
+    lowered the cap to and why, and answers connections past it 503, as it does at any cap."""
+    col = collector_factory(nofile=(400, 400)).start()
+    status, acked = _fleet_round(col.port, 300, 0)
+    ok = status.count(b"HTTP/1.1 200 OK")
+    assert 0 < ok < 300 and set(status) == {b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable"}, set(status)
+    assert col.metric("ttftscope_collector_connections_refused_total") == 300 - ok
+    r = requests.post(col.url + "/v1/traces", data=_batch(1000, 5), headers=PB, timeout=10)
+    assert r.status_code == 200
+    assert col.terminate() == 0
+    out = col.output()
+    assert "open-file limit" in out and f"--max-connections lowered to {ok}" in out, out[-2000:]
+    assert "Traceback" not in out
+    _exact(col.store, acked | _ids(1000, 5))
 
 
 def test_sigterm_acknowledges_nothing_it_does_not_store(collector_factory):

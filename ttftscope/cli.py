@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "past it 429 + Retry-After (default 1G)")
     c.add_argument("--read-timeout", type=float, default=15.0, metavar="S",
                    help="cut off a client silent this long (408 on a stalled body; default 15)")
-    c.add_argument("--max-connections", type=int, default=256, metavar="N",
-                   help="open connections at most; more get 503 (default 256)")
+    c.add_argument("--max-connections", type=int, default=4096, metavar="N",
+                   help="open connections at most, one a fleet's exporting process; more get 503 (default "
+                        "4096; the open-file limit is raised to fit, up to its hard limit)")
 
     dr = sub.add_parser("doctor", help="check vLLM, the plugin's adapters, the collector and the store before a "
                                        "deployment; exit 1 on a problem")
