@@ -11,7 +11,8 @@ Measured in one run, on the same requests:
              first flush of ~6k spans (its one-time work: see prime()) until it has written
              everything (not its exit), split by thread; its RSS sampled
   http fleet the same collector fed like a fleet of vLLM processes: many senders, each
-             posting 20-50 spans every 0.5 s (target: <= 2x the bulk CPU per span), next to the
+             posting 20-50 spans every 0.5 s in one write as the plugin does, 40 to 600 of them
+             (target: <= 2x the bulk CPU per span), next to the
              floor of that load (bench/http_floor.py: a server that only reads and answers; and
              bench/http_floor.c, the same in C, where a C compiler is found) and of a receiver
              in C that keeps the collector's promise (bench/durable_floor.c: the check, the
@@ -20,7 +21,8 @@ Measured in one run, on the same requests:
              default (80-200 spans every 2 s)
 
 Usage: python bench/ingest.py [--requests 100] [--spans-per-request 500] [--http-seconds 20]
-       [--fleet-senders 40]. A 10-minute memory run: --http-seconds 600. Where a fleet's
+       [--fleet-senders 40,120,300,600]. A 10-minute memory run: --http-seconds 600
+       [--fleet-senders 600] (the RSS is printed for every run). Where a fleet's
        request goes (the whole collector, its HTTP handling alone, the floor, the floor in C,
        the receiver's work in C in the flusher's process and in one of its own):
        --fleet-anatomy ROUNDS.
@@ -132,6 +134,9 @@ def prime(url: str, stored) -> int:
 #: as one has after running for hours (a token a flush: 10k in under six hours at 2 s)
 AGED = [False]
 
+#: --collect-args: more options for every `ttftscope collect` the bench starts
+COLLECT_ARGS: list[str] = []
+
 
 def age(store_dir: str) -> None:
     """Give a new store the manifest of one that has run for hours (:data:`AGED`): its tokens one by
@@ -154,7 +159,8 @@ class Collector:
         # http_only: bench/http_only.py, the same collector with its check and spool taken out
         cmd = [str(Path(__file__).with_name("http_only.py"))] if http_only else ["-m", "ttftscope"]
         self.proc = subprocess.Popen([sys.executable, *cmd, "collect", "--store", self.store, "--spool",
-                                      str(tmp / f"spool-{name}"), "--listen", f"127.0.0.1:{self.port}"],
+                                      str(tmp / f"spool-{name}"), "--listen", f"127.0.0.1:{self.port}",
+                                      *COLLECT_ARGS],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
         wait_http(self.url + "/healthz", self.proc)
@@ -343,12 +349,13 @@ def http_bulk(bodies: list[bytes], tmp: Path, seconds: float, senders: int = 2) 
 
 
 async def _fleet_send(url: str, plans: list[list[tuple[int, bytes]]], every_s: float,
-                      seconds: float) -> tuple[list[int], list[int]]:
+                      seconds: float, sample=None) -> tuple[list[int], list[int]]:
     """Each sender a coroutine on one event loop with a keep-alive connection of its own, posting
     its next request every ``every_s`` (out of phase, as real processes are): (spans acknowledged,
     requests acknowledged) a sender. The request is one write of bytes built beforehand, as
     http.client sends a body given as bytes, so that hundreds of senders on the two shared cores
-    keep their rate (``requests`` in a thread each fell behind at 300: 460 requests/s of 600)."""
+    keep their rate (``requests`` in a thread each fell behind at 300: 460 requests/s of 600).
+    ``sample``: called every 5 s while they send (the collector's RSS)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sent, reqs = [0] * len(plans), [0] * len(plans)
     end = time.monotonic() + seconds
@@ -375,21 +382,27 @@ async def _fleet_send(url: str, plans: list[list[tuple[int, bytes]]], every_s: f
             await asyncio.sleep(max(0.0, min(every_s, end - time.monotonic())))
         writer.close()
 
-    await asyncio.gather(*(send(k) for k in range(len(plans))))
+    async def every_5s() -> None:
+        while time.monotonic() < end - 2.5:
+            await asyncio.sleep(min(5.0, end - time.monotonic()))
+            sample()
+
+    await asyncio.gather(*(send(k) for k in range(len(plans))), *([every_5s()] if sample else []))
     return sent, reqs
 
 
 def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
                sizes: tuple[int, int] = (20, 50), name: str = "fleet",
                floor: str | None = None, http_only: bool = False,
-               native: str | None = None) -> tuple[float, float, float, str]:
+               native: str | None = None, rss: list[float] | None = None) -> tuple[float, float, float, str]:
     """(spans per collector CPU-second, spans/s offered, requests/s, CPU by thread) with many
     small senders, each posting ``sizes`` spans every ``every_s``. ``floor``: the same senders
     against a floor server instead (its CPU per request in the last place), ``"python"``
     bench/http_floor.py or ``"c"`` bench/http_floor.c; ``http_only``:
     against bench/http_only.py (the collector's HTTP handling alone, nothing stored); ``native``:
     against :class:`NativeCollector` (the receiver's work in C beside the collector's flusher),
-    ``"thread"`` in the flusher's process or ``"process"`` of its own."""
+    ``"thread"`` in the flusher's process or ``"process"`` of its own. ``rss``: the collector's RSS
+    (MB) appended every 5 s."""
     # each sender's requests built before the clock starts, as the bulk case's are, so that the
     # senders spend their time on the two shared cores posting, not building protobuf (within this
     # bench, interleaved: 24.6 / 24.6k spans per CPU-second built during the run against 24.6 /
@@ -408,7 +421,8 @@ def http_fleet(tmp: Path, seconds: float, senders: int, every_s: float = 0.5,
     else:
         col = Collector(tmp, name, http_only=http_only)
     t0 = time.perf_counter()
-    sent, reqs = asyncio.run(_fleet_send(col.url, plans, every_s, seconds))
+    sample = (lambda: rss.append(round(rss_mb(col.proc.pid), 1))) if rss is not None else None
+    sent, reqs = asyncio.run(_fleet_send(col.url, plans, every_s, seconds, sample))
     dt = time.perf_counter() - t0
     cpu, n = col.stop()
     if floor:
@@ -456,17 +470,24 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--spans-per-request", type=int, default=500)
     ap.add_argument("--http-seconds", type=float, default=20)
-    ap.add_argument("--fleet-senders", type=int, default=40)
+    ap.add_argument("--fleet-senders", default="40,120,300,600", metavar="N[,N...]",
+                    help="the fleet's sizes, each a run (default 40,120,300,600: ~2.5k to ~40k spans/s; a "
+                         "hundred vLLM servers hold ~600 exporting processes); the floor rows at the first")
     ap.add_argument("--aged-store", action="store_true",
                     help="every collector on a store whose manifest holds a full insert-token window, as after hours")
     ap.add_argument("--fleet-anatomy", type=int, default=0, metavar="ROUNDS",
                     help="only the fleet, taken apart: the whole collector, its HTTP handling alone "
                          "(bench/http_only.py), the floor server (in Python and in C) and the receiver's "
                          "work in C (bench/durable_floor.c), interleaved, ROUNDS times")
+    ap.add_argument("--collect-args", default="", metavar="'ARGS'",
+                    help="more options for every `ttftscope collect` started, e.g. '--commit-window 0.2'")
     a = ap.parse_args()
     AGED[0] = a.aged_store
+    COLLECT_ARGS[:] = a.collect_args.split()
+    fleet = [int(n) for n in a.fleet_senders.split(",")]
+    first = fleet[0]
     if a.fleet_anatomy:
-        return anatomy(a.fleet_anatomy, a.http_seconds, a.fleet_senders)
+        return anatomy(a.fleet_anatomy, a.http_seconds, first)
     bodies = [otlp_request(a.spans_per_request, seed=i) for i in range(a.requests)]
     total = a.requests * a.spans_per_request
     print(f"{a.requests} OTLP requests x {a.spans_per_request} spans = {total} spans, "
@@ -488,32 +509,39 @@ def main() -> None:
               f"   ({wall:,.0f} spans/s wall, senders on the same {os.cpu_count()} cores)")
         print(f"           collector RSS (MB) sampled over {a.http_seconds:.0f}s: {rss}")
         print(f"           CPU by thread: {split}")
-        fl, offered, rps, fsplit = http_fleet(tmp, a.http_seconds, a.fleet_senders)
-        print(f"http fleet {a.fleet_senders} senders x 20-50 spans every 0.5 s      {fl:>10,.0f}   "
-              f"= {h / fl:.2f} x the bulk CPU per span   ({offered:,.0f} spans/s, {rps:.0f} requests/s)")
-        print(f"           CPU by thread: {fsplit}")
-        ff, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="floor", floor="python")
+        ratios = []
+        for n in fleet:
+            rss = []
+            fl, offered, rps, fsplit = http_fleet(tmp, a.http_seconds, n, name=f"fleet{n}", rss=rss)
+            ratios.append((n, h / fl, offered))
+            print(f"http fleet {n:>4} senders x 20-50 spans every 0.5 s  {fl:>10,.0f}   "
+                  f"= {h / fl:.2f} x the bulk CPU per span   ({offered:,.0f} spans/s, {rps:.0f} requests/s)")
+            print(f"           CPU by thread: {fsplit}; collector RSS (MB) every 5 s: {rss}")
+        print(f"           (the rows below: {first} senders)")
+        ff, _, _, per_req = http_fleet(tmp, a.http_seconds, first, name="floor", floor="python")
         print(f"           floor: a server that only reads each request and answers 200 (bench/http_floor.py), "
               f"same senders: {ff:,.0f} spans per CPU-second = {h / ff:.2f} x the bulk CPU per span ({per_req})")
         if compiled_floor(tmp) is not None:
-            fc, _, _, per_req = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="cfloor", floor="c")
+            fc, _, _, per_req = http_fleet(tmp, a.http_seconds, first, name="cfloor", floor="c")
             print(f"           the same floor in C (bench/http_floor.c: epoll, one thread): {fc:,.0f} spans per "
                   f"CPU-second = {h / fc:.2f} x the bulk CPU per span ({per_req})")
         if compiled_durable(tmp, library=True) is not None:
-            fn, _, _, nsplit = http_fleet(tmp, a.http_seconds, a.fleet_senders, name="native", native="thread")
+            fn, _, _, nsplit = http_fleet(tmp, a.http_seconds, first, name="native", native="thread")
             print(f"           the receiver's work in C (bench/durable_floor.c: check, spool, group commit), a thread "
                   f"beside the collector's flusher code (bench/native_flusher.py): {fn:,.0f} spans per CPU-second = "
                   f"{h / fn:.2f} x the bulk CPU per span ({nsplit})")
         # the same span rate shaped as the plugin now sends it (OTEL_BSP_SCHEDULE_DELAY's default, 2 s): not the target's shape
-        f2, offered2, rps2, fsplit2 = http_fleet(tmp, a.http_seconds, a.fleet_senders, every_s=2.0, sizes=(80, 200),
+        f2, offered2, rps2, fsplit2 = http_fleet(tmp, a.http_seconds, first, every_s=2.0, sizes=(80, 200),
                                                  name="fleet-2s")
-        print(f"http fleet {a.fleet_senders} senders x 80-200 spans every 2 s      {f2:>10,.0f}   "
+        print(f"http fleet {first:>4} senders x 80-200 spans every 2 s    {f2:>10,.0f}   "
               f"= {h / f2:.2f} x the bulk CPU per span   ({offered2:,.0f} spans/s, {rps2:.0f} requests/s; "
               f"the plugin's default export interval)")
         print(f"           CPU by thread: {fsplit2}")
         print(f"target >= {TARGET:,} spans per CPU-second end to end over HTTP: "
               f"{'met' if h >= TARGET else 'NOT met'} ({h / TARGET:.2f} x target); "
-              f"fleet <= 2x bulk CPU per span: {'met' if h / fl <= 2 else 'NOT met'}")
+              "fleet <= 2x bulk CPU per span: "
+              + "; ".join(f"{n} senders ({o:,.0f} spans/s) {'met' if r <= 2 else 'NOT met'} ({r:.2f} x)"
+                          for n, r, o in ratios))
 
 
 if __name__ == "__main__":
