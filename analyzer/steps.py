@@ -2,10 +2,12 @@
 
 From the ``ttftscope.step`` spans (one per step; merged runs of decode-only steps carry the
 sums of their steps): engine-core host time in ``schedule()`` and ``update_from_output()``,
-the workers' execution between them (with async scheduling, also the wait for them), and
-the engine loop's idle time since the previous step closed. The first split a vLLM
-performance engineer looks at: a host share of tens of percent means the GPU (or here the
-CPU model) waits on Python.
+the workers' execution between them, and the engine loop's idle time since the previous
+step closed. The first split a vLLM performance engineer looks at: a host share of tens of
+percent means the GPU (or here the CPU model) waits on Python. With async scheduling (vLLM's
+default on GPU) the engine core schedules a step and processes the last one's output while the
+workers run the step before: that host time (``host_hidden``) keeps no worker waiting and is
+left out of the host share.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ _PARTS = {"schedule": Attr.STEP_SCHEDULE_NS, "execute": Attr.STEP_EXECUTE_NS, "u
 
 def step_anatomy(store, window: Window) -> dict:
     """Totals and per-step means (µs) of schedule / execute / update / idle, split into
-    steps that computed prompt tokens and decode-only steps; ``host_share`` is
-    (schedule + update) / (schedule + execute + update)."""
-    cols = ", ".join(f"sum(toUInt64OrZero(SpanAttributes['{k}'])) AS {p}" for p, k in _PARTS.items())
+    steps that computed prompt tokens and decode-only steps; ``host_share`` is the host time
+    the workers waited for, (schedule + update - hidden) / (schedule + execute + update - hidden)
+    (``hidden``: what ran behind the step before, async scheduling's; 0 without it)."""
+    cols = ", ".join(f"sum(toUInt64OrZero(SpanAttributes['{k}'])) AS {p}"
+                     for p, k in {**_PARTS, "hidden": Attr.STEP_HOST_HIDDEN_NS}.items())
     df = store.query(f"""
         SELECT toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']) > 0 AS prefill,
                sum(greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1)) AS steps, {cols}
@@ -34,17 +38,22 @@ def step_anatomy(store, window: Window) -> dict:
     out: dict = {}
     for row in df.iter_rows(named=True):
         kind = "prefill_steps" if row["prefill"] else "decode_steps"
-        busy = row["schedule"] + row["execute"] + row["update"]
         out[kind] = {"steps": int(row["steps"]),
-                     **{f"{p}_us_per_step": row[p] / row["steps"] / 1e3 for p in _PARTS},
-                     "host_share": (row["schedule"] + row["update"]) / busy if busy else 0.0}
+                     **{f"{p}_us_per_step": row[p] / row["steps"] / 1e3 for p in (*_PARTS, "hidden")},
+                     "host_share": _host_share(row)}
     if out:
         steps = sum(v["steps"] for v in out.values())
-        tot = {p: sum(v[f"{p}_us_per_step"] * v["steps"] for v in out.values()) for p in _PARTS}
-        busy = tot["schedule"] + tot["execute"] + tot["update"]
-        out["all"] = {"steps": steps, **{f"{p}_us_per_step": tot[p] / steps for p in _PARTS},
-                      "host_share": (tot["schedule"] + tot["update"]) / busy if busy else 0.0}
+        tot = {p: sum(v[f"{p}_us_per_step"] * v["steps"] for v in out.values()) for p in (*_PARTS, "hidden")}
+        out["all"] = {"steps": steps, **{f"{p}_us_per_step": tot[p] / steps for p in (*_PARTS, "hidden")},
+                      "host_share": _host_share(tot)}
     return out
+
+
+def _host_share(t: dict) -> float:
+    """The share of the workers' path the engine core's host time held (see :func:`step_anatomy`)."""
+    host = max(t["schedule"] + t["update"] - t["hidden"], 0)
+    busy = host + t["execute"]
+    return host / busy if busy else 0.0
 
 
 def prefill_steps(store, window: Window) -> pl.DataFrame:

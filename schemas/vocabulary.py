@@ -84,12 +84,17 @@ class Attr:
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"
     # a step's anatomy (ns; summed over a merged run): engine-core host time in schedule() and
-    # update_from_output(), the workers' execution (and, with async scheduling, the wait for
-    # it) in between, and the engine loop's idle time since the previous step closed
+    # update_from_output(), the workers' execution in between (with async scheduling from when
+    # the step before was back: a step waits in vLLM's batch queue while that one runs), and the
+    # engine loop's idle time since the previous step closed
     STEP_SCHEDULE_NS = f"{PREFIX}.step.schedule_ns"
     STEP_EXECUTE_NS = f"{PREFIX}.step.execute_ns"
     STEP_UPDATE_NS = f"{PREFIX}.step.update_ns"
     STEP_IDLE_NS = f"{PREFIX}.step.idle_ns"
+    # of schedule + update, the part that ran while the workers executed the step before (async
+    # scheduling, vLLM's default on GPU: the next step is scheduled while one runs), so not on
+    # the workers' path; absent (0) without it
+    STEP_HOST_HIDDEN_NS = f"{PREFIX}.step.host_hidden_ns"
     RUNNING = f"{PREFIX}.scheduler.running"
     WAITING = f"{PREFIX}.scheduler.waiting"
     MAX_NUM_SEQS = f"{PREFIX}.scheduler.max_num_seqs"  # the seats (vLLM's --max-num-seqs), on steps with waiting

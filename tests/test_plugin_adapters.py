@@ -622,8 +622,67 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     E._on_step_done(st, sched, step_out, 12.01, 12.011)
     with st.runs_lock:
         E.fold_steps(st)
-    held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][5][0]]
+    held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][6][0]]
     assert len(held) == 1 and held[0][6] is not None and held[0][6].toks == (), "hashed at once, the prompt let go"
+
+
+def test_with_async_scheduling_a_step_executes_from_when_the_one_before_is_back(monkeypatch):
+    """Unit level, vLLM's async scheduling (its default on GPU; real vLLM drives it in
+    test_vllm_plugin.py): the engine core schedules step k+1 while the workers run step k, and
+    processes k's output after that. The workers run the steps in order, so k+1 executes from
+    when k is back (k's update starts), not from its own schedule: its prefill chunk's span does
+    not cover the chunk before it (they overlapped, up to twice the prefill's wall time summed),
+    its anatomy's execute is the workers' time, and its host time that ran behind step k is
+    marked hidden. The same steps in vLLM's synchronous order come out as before."""
+    from types import SimpleNamespace as NS
+
+    from ttftscope.collector.otel_setup import DeferredSpans, expand
+    from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from ttftscope.schemas.vocabulary import Attr, SpanName
+
+    tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
+
+    def run(order: list[tuple[str, int, float]]) -> tuple[dict, dict]:
+        q = DeferredSpans(tracer=None)
+        monkeypatch.setattr(RT, "deferred", q)
+        st = E.EngineState()
+        sched = NS(requests={}, running=[], waiting=[], max_num_running_reqs=4, block_size=16,
+                   _inflight_prefills=set())
+        outs = {}
+        for what, k, t in order:
+            if what == "schedule":  # step k admits request k whole (100 prompt tokens)
+                r = NS(request_id=f"r{k}", external_req_id=f"r{k}", num_computed_tokens=0, trace_headers=tp,
+                       num_prompt_tokens=100, prompt_token_ids=list(range(100)), priority=0, prefill_stats=None)
+                E._on_add(r, t - 0.5)
+                sched.requests[r.request_id] = r
+                outs[k] = NS(num_scheduled_tokens={r.request_id: 100}, total_num_scheduled_tokens=100,
+                             scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)])
+                r.num_computed_tokens = 100
+                E._on_schedule(st, sched, outs[k], t, t + 0.001)
+            else:
+                E._on_step_done(st, sched, outs[k], t, t + 0.001)
+        with st.runs_lock:
+            E.fold_steps(st)
+        spans = [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
+        prefill = {s[3][Attr.STEP]: (s[1], s[2]) for s in spans if s[0] == SpanName.PREFILL}
+        steps = {s[3][Attr.STEP]: s[3] for s in spans if s[0] == SpanName.STEP}
+        return prefill, steps
+
+    # async: schedule 1, schedule 2 (the queue of two full), 1 back, schedule 3, 2 back, 3 back
+    prefill, steps = run([("schedule", 1, 10.000), ("schedule", 2, 10.002), ("done", 1, 10.020),
+                          ("schedule", 3, 10.022), ("done", 2, 10.040), ("done", 3, 10.060)])
+    assert prefill == {1: (10.001, 10.020), 2: (10.020, 10.040), 3: (10.040, 10.060)}, prefill
+    assert [steps[k][Attr.STEP_EXECUTE_NS] for k in (1, 2, 3)] == [pytest.approx(19e6, abs=2),
+                                                                   pytest.approx(20e6, abs=2),
+                                                                   pytest.approx(20e6, abs=2)]
+    assert steps[1].get(Attr.STEP_HOST_HIDDEN_NS, 0) == 0, "step 1 waited for nothing: its host time held the workers"
+    assert steps[2][Attr.STEP_HOST_HIDDEN_NS] == pytest.approx(2e6, abs=2), "schedule 1 ms + update 1 ms behind step 1"
+    # synchronous (vLLM on CPU, or async scheduling off): schedule, run, update, one step at a time
+    prefill, steps = run([("schedule", 1, 10.000), ("done", 1, 10.020), ("schedule", 2, 10.022),
+                          ("done", 2, 10.040), ("schedule", 3, 10.042), ("done", 3, 10.060)])
+    assert prefill == {1: (10.001, 10.020), 2: (10.023, 10.040), 3: (10.043, 10.060)}, prefill
+    assert all(Attr.STEP_HOST_HIDDEN_NS not in a for a in steps.values())
 
 
 def test_the_first_tokens_time_follows_a_step_of_the_wall_clock(monkeypatch):

@@ -491,6 +491,75 @@ def test_vllm_serve_names_every_api_server_and_times_every_request(tmp_path, fla
         assert 0 < spans["ttftscope.http"] / 1e9 <= client_s + 0.001, (rid, spans["ttftscope.http"], client_s)
 
 
+def test_async_scheduling_as_on_a_gpu_host_keeps_steps_and_phases_true(tmp_path):
+    """vLLM schedules asynchronously by default on a GPU (the ``AsyncScheduler`` and the engine
+    core's batch queue: the next step is scheduled while one runs; its CPU platform turns that
+    off, tests/planted_async turns it back on). The plugin's spans must stay true there: every
+    request's queue time and prefill time against vLLM's own (``gen_ai.latency.*`` on its
+    ``llm_request``), no prefill step's span over the step before it, and the steps' execute
+    time, summed, within the engine's wall time (each step's execute was counted from its own
+    schedule, over the step still running before it: up to twice the wall time, so the
+    engine-core host share read low and the chunk cost model high). Streaming requests, several
+    at once and long enough to be chunked, as on a busy server."""
+    import threading
+
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    noted = tmp_path / "async-noted"
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="async",
+                     env={"PYTHONPATH": str(ROOT / "tests" / "planted_async"), "PLANTED_ASYNC_LOG": str(noted)}).start()
+    try:
+        srv.completion("warm up the model", 2)
+        srv.stream("warm up the stream", 2)
+        for i in range(3):
+            srv.stream(prompt_of(40 + 60 * i, 500 + i), 16, ignore_eos=True)
+        threads = [threading.Thread(target=srv.stream, args=(prompt_of(30 + 25 * i, 600 + i), 16),
+                                    kwargs={"ignore_eos": True}) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        col.wait_quiet()
+        log = srv.output()
+    finally:
+        srv.stop()
+    assert col.terminate() == 0
+    assert "AsyncScheduler" in noted.read_text(), "the plant took: the engine core scheduled asynchronously"
+    assert "ttftscope: adapter" not in log and "ttftscope: hook" not in log, "no adapter disabled, no hook failed"
+    rows = ttftscope_sql(col.store, """
+        SELECT r.q AS vllm_q, r.p AS vllm_p, s.q AS q, s.p AS p FROM
+          (SELECT TraceId AS tid, toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_queue']) AS q,
+                  toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_model_prefill']) AS p
+           FROM otel_traces WHERE SpanName = 'llm_request') AS r
+        INNER JOIN (SELECT TraceId AS tid, sumIf(Duration, SpanName = 'ttftscope.queue') / 1e9 AS q,
+                           (maxIf(toUnixTimestamp64Nano(Timestamp) + Duration, SpanName = 'ttftscope.prefill')
+                            - maxIf(toUnixTimestamp64Nano(Timestamp) + Duration, SpanName = 'ttftscope.queue')) / 1e9 AS p
+                    FROM otel_traces GROUP BY TraceId) AS s ON r.tid = s.tid""")
+    assert len(rows) == 13, rows
+    for r in rows:  # queue: schedule() had it; prefill: scheduled -> the first token's output (vLLM's own clock)
+        assert abs(float(r["q"]) - float(r["vllm_q"])) <= max(0.003, 0.1 * float(r["vllm_q"])), r
+        assert abs(float(r["p"]) - float(r["vllm_p"])) <= max(0.003, 0.1 * float(r["vllm_p"])), r
+    chunks = ttftscope_sql(col.store, """
+        SELECT SpanAttributes['ttftscope.step'] AS step, min(toUnixTimestamp64Nano(Timestamp)) AS s,
+               max(toUnixTimestamp64Nano(Timestamp) + Duration) AS e
+        FROM otel_traces WHERE SpanName = 'ttftscope.prefill' GROUP BY step ORDER BY toUInt64(step)""")
+    over = [(a["step"], b["step"], (int(a["e"]) - int(b["s"])) / 1e6) for a, b in zip(chunks, chunks[1:], strict=False)
+            if int(b["s"]) < int(a["e"])]
+    assert len(chunks) >= 10 and not over, f"prefill steps over the step before them (ms): {over}"
+    steps = ttftscope_sql(col.store, """
+        SELECT toUnixTimestamp64Nano(Timestamp) AS s, toUnixTimestamp64Nano(Timestamp) + Duration AS e,
+               toUInt64OrZero(SpanAttributes['ttftscope.step.execute_ns']) AS execute,
+               toUInt64OrZero(SpanAttributes['ttftscope.step.host_hidden_ns']) AS hidden
+        FROM otel_traces WHERE SpanName = 'ttftscope.step' ORDER BY s""")
+    wall, end = 0, 0  # the time some step was in progress (the union of the steps' spans)
+    for r in steps:
+        s, e = int(r["s"]), int(r["e"])
+        wall += max(e - max(s, end), 0)
+        end = max(end, e)
+    execute = sum(int(r["execute"]) for r in steps)
+    assert execute <= wall, f"execute {execute / 1e6:.1f} ms summed over {wall / 1e6:.1f} ms of steps"
+    assert sum(int(r["hidden"]) for r in steps) > 0, "some host time ran behind a step in flight"
+
+
 def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
     """Clients give up (timeouts, a closed tab): one that closed its connection before the first
     token saw none, and uvicorn's send then writes nothing, silently. Its request must not count

@@ -190,6 +190,7 @@ class DecodeRun:
     execute: float
     update: float
     idle: float
+    hidden: float = 0.0  # of schedule + update, what ran while the workers executed the step before (async scheduling)
     waiting: int = 0  # the most requests waiting at any of its steps
     seats: int = 0  # vLLM's max_num_running_reqs, when requests waited
     full: int = 0  # steps in which requests waited and every seat was held
@@ -237,6 +238,10 @@ class EngineState:
     runs_lock: threading.Lock = field(default_factory=threading.Lock)  # decode_run and the folding
     decode_run: DecodeRun | None = None
     last_end: float = 0.0  # when the previous step's update_from_output returned
+    #: when the previous step's update_from_output began (its output back from the workers): with
+    #: async scheduling a step is scheduled while the one before it still runs, and the workers
+    #: start it only then
+    last_u0: float = 0.0
     stamp: bool = True  # the scheduler's output takes our step number (for the workers' spans; ``_decide_stamp``)
     # quiet steps (TTFTSCOPE_QUIET_STEPS): between samples the scheduler rests, running vLLM's own
     # methods (instance attributes that shadow our wrappers), and nothing of ours runs per step
@@ -549,28 +554,35 @@ def _prefill_work(st: EngineState, sched, out, admitted: list, step: int) -> tup
     return (chunks, queued) if chunks or queued else None
 
 
-def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float) -> dict:
-    return {Attr.STEP_SCHEDULE_NS: int(schedule * 1e9), Attr.STEP_EXECUTE_NS: int(execute * 1e9),
-            Attr.STEP_UPDATE_NS: int(update * 1e9), Attr.STEP_IDLE_NS: int(idle * 1e9)}
+def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float, hidden: float = 0.0) -> dict:
+    attrs = {Attr.STEP_SCHEDULE_NS: int(schedule * 1e9), Attr.STEP_EXECUTE_NS: int(execute * 1e9),
+             Attr.STEP_UPDATE_NS: int(update * 1e9), Attr.STEP_IDLE_NS: int(idle * 1e9)}
+    if hidden:  # (async scheduling only: sync steps carry the four as before)
+        attrs[Attr.STEP_HOST_HIDDEN_NS] = int(hidden * 1e9)
+    return attrs
 
 
 @hot("step")
 def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None:
     """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
-    its anatomy is schedule [t0, t1], execute [t1, t_u0] (the workers, and with async
-    scheduling the wait for them), update [t_u0, t_u1], and the idle time since the
-    previous step closed. One append to the step log either way (a decode step's numbers, or
-    a step that may carry prompt tokens with its output, sorted out off the loop:
-    ``WorkStep``). Hot: its caller catches what it raises."""
+    its anatomy is schedule [t0, t1], execute [x0, t_u0], update [t_u0, t_u1], and the idle
+    time since the previous step closed. The workers run the steps in order, so a step starts
+    executing once it is scheduled and the step before it is back: ``x0`` is t1, or with async
+    scheduling (vLLM's default on GPU: the next step is scheduled while one runs) the previous
+    step's ``t_u0`` when later -- its wait in vLLM's batch queue is not execution, and a
+    prefill chunk's span does not cover the chunk before it. One append to the step log
+    either way (a decode step's numbers, or a step that may carry prompt tokens with its
+    output, sorted out off the loop: ``WorkStep``). Hot: its caller catches what it raises."""
     p = st.pending.pop(id(out), None)
-    prev_end = st.last_end
-    st.last_end = t_u1
+    prev_end, prev_u0 = st.last_end, st.last_u0
+    st.last_end, st.last_u0 = t_u1, t_u0
     if p is None:  # scheduled before the hooks were on (or woken mid-step: the unobserved end here)
         if st.gap_from:
             _unobserved(st, t_u1)
         return
+    x0 = p[2] if p[2] >= prev_u0 else prev_u0
     if p[3] is not None:
-        st.log.append((p, out, sched, t_u0, t_u1, prev_end))
+        st.log.append((p, out, sched, x0, t_u0, t_u1, prev_end))
         if st.rest is not None and not p[5] and not st.after_prompt and st.quiet_left <= 0:
             _rest(st, sched, t_u1)  # the prompts are in, nobody waits: the steps to come are quiet
         return
@@ -579,7 +591,7 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
     total = out.total_num_scheduled_tokens
     waiting = p[5]
     if total:
-        st.log.append((p[0], p[1], p[2], t_u0, t_u1, prev_end, total, p[4], waiting,
+        st.log.append((p[0], p[1], p[2], x0, t_u0, t_u1, prev_end, total, p[4], waiting,
                        sched.max_num_running_reqs if waiting else 0))
     elif waiting:
         st.log.append(None)
@@ -689,17 +701,17 @@ def _work_step(st: EngineState, w: WorkStep):
     or requests first scheduled, its spans (built on the export thread) and None (the open
     run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
     nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
-    (step, t0, t1, admitted, running, waiting), out, sched, t_u0, t_u1, prev_end = w
+    (step, t0, t1, admitted, running, waiting), out, sched, x0, t_u0, t_u1, prev_end = w
     work = _prefill_work(st, sched, out, admitted, step)
     total = out.total_num_scheduled_tokens
     if work is None:
         if total:
-            return (step, t0, t1, t_u0, t_u1, prev_end, total, running, waiting,
+            return (step, t0, t1, x0, t_u0, t_u1, prev_end, total, running, waiting,
                     sched.max_num_running_reqs if waiting else 0)
         return None if waiting else ()
     d = RT.deferred  # several spans in one record: DeferredSpans.group
     if d is not None:
-        d.group(_step_spans, (step, t0, t1, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting,
+        d.group(_step_spans, (step, t0, t1, x0, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting,
                               total, st.engine, prev_end, sched.max_num_running_reqs if waiting else None),
                 _let_prompts_go)
     return None
@@ -708,18 +720,19 @@ def _work_step(st: EngineState, w: WorkStep):
 def _let_prompts_go(args: tuple) -> None:
     """The export queue is backed up (it may hold a step's spans a long time): its prompts'
     prefix hashes computed now and the prompts let go (before the spans are queued)."""
-    for c in args[5][0]:
+    for c in args[6][0]:
         if c[6] is not None:
             c[6].freeze()
 
 
-def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work, batch: int, running: int,
-                waiting: int, total: int, engine: str, prev_end: float, max_num_seqs) -> list[tuple]:
+def _step_spans(step: int, t0: float, t1: float, x0: float, t_u0: float, t_u1: float, work, batch: int,
+                running: int, waiting: int, total: int, engine: str, prev_end: float, max_num_seqs) -> list[tuple]:
     """A step with prefill work or requests first scheduled, as spans (on the export thread):
     the intake and queue waits of the requests it scheduled first (queue: from when the
-    scheduler had them to this schedule), its prefill chunks (execute: [t1, t_u0]), and the
-    step itself (its anatomy: schedule [t0, t1], execute, update [t_u0, t_u1], idle since
-    ``prev_end``)."""
+    scheduler had them to this schedule), its prefill chunks (execute: [x0, t_u0], see
+    :func:`_on_step_done`), and the step itself (its anatomy: schedule [t0, t1], execute,
+    update [t_u0, t_u1], idle since ``prev_end``; the host time hidden behind the step before
+    with async scheduling)."""
     out = []
     chunks, queued = work or ((), ())
     for q, rx, req_id, external, priority, headers in queued:
@@ -730,10 +743,11 @@ def _step_spans(step: int, t0: float, t1: float, t_u0: float, t_u1: float, work,
                         headers))
         out.append((SpanName.QUEUE, q, t0, _queue_attrs(req_id, external, priority), headers))
     for c in chunks:
-        out.append((SpanName.PREFILL, t1, t_u0, _prefill_attrs(c, step, batch, engine), c[4]))
+        out.append((SpanName.PREFILL, x0, t_u0, _prefill_attrs(c, step, batch, engine), c[4]))
     if total:
         prefill_tokens = sum(c[1] for c in chunks)
-        anatomy = (t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0, max(t0 - prev_end, 0.0) if prev_end else 0.0)
+        anatomy = (t1 - t0, max(t_u0 - x0, 0.0), t_u1 - t_u0, max(t0 - prev_end, 0.0) if prev_end else 0.0,
+                   (t1 - t0) + (t_u1 - t_u0) if x0 > t1 else 0.0)
         out.append((SpanName.STEP, t0, t_u1, _step_attrs(step, prefill_tokens, total, running, waiting, batch, engine,
                                                           anatomy, max_num_seqs), None))
     return out
@@ -750,7 +764,7 @@ def fold_steps(st: EngineState) -> None:
     r = st.decode_run
     while log:
         d = log.popleft()
-        if d is not None and len(d) < 10:
+        if d is not None and len(d) < 11:
             if len(d) == 2:  # an unobserved stretch (the open run ended at the rest before it)
                 span(SpanName.UNOBSERVED, d[0], d[1], (_unobserved_attrs, (engine,)))
                 continue
@@ -762,14 +776,16 @@ def fold_steps(st: EngineState) -> None:
                 _emit_run(r, engine)
                 r = None
             continue
-        step, t0, t1, t_u0, t_u1, prev_end, total, running, waiting, seats = d
-        sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - t1, 0.0), t_u1 - t_u0
+        step, t0, t1, x0, t_u0, t_u1, prev_end, total, running, waiting, seats = d
+        sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - x0, 0.0), t_u1 - t_u0
         idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
+        hidden_s = sched_s + upd_s if x0 > t1 else 0.0  # scheduled while the step before ran
         full = 1 if waiting and running >= seats else 0
         if r is None or (r.waiting > 0) != (waiting > 0) or (waiting and idle_s >= RUN_SPLIT_IDLE_S):
             if r is not None:
                 _emit_run(r, engine)
-            r = DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s, idle_s, waiting, seats, full)
+            r = DecodeRun(t0, t_u1, 1, total, running, step, step, sched_s, exec_s, upd_s, idle_s, hidden_s, waiting,
+                          seats, full)
             continue
         r.end, r.last, r.steps, r.decode_tokens = t_u1, step, r.steps + 1, r.decode_tokens + total
         if running > r.running:
@@ -781,6 +797,7 @@ def fold_steps(st: EngineState) -> None:
         r.execute += exec_s
         r.update += upd_s
         r.idle += idle_s
+        r.hidden += hidden_s
         if r.steps >= 512 or t_u1 - r.start > 1.0:
             _emit_run(r, engine)
             r = None
@@ -809,7 +826,7 @@ def _run_attrs(r: DecodeRun | tuple, engine: str) -> dict:
         r = DecodeRun(*r)
     attrs = {Attr.STEP: r.first, Attr.STEP_LAST: r.last, Attr.STEP_COUNT: r.steps, Attr.STEP_PREFILL_TOKENS: 0,
              Attr.STEP_DECODE_TOKENS: r.decode_tokens, Attr.RUNNING: r.running, Attr.WAITING: r.waiting,
-             Attr.ENGINE: engine, **_anatomy_attrs(r.schedule, r.execute, r.update, r.idle)}
+             Attr.ENGINE: engine, **_anatomy_attrs(r.schedule, r.execute, r.update, r.idle, r.hidden)}
     if r.waiting:
         attrs[Attr.MAX_NUM_SEQS] = r.seats
         attrs[Attr.STEP_FULL] = r.full
