@@ -486,6 +486,10 @@ class _Conn(asyncio.Protocol):
                 "spool_bytes": p.spool.pending_bytes,
                 # the arrival check and the flush decode compiled (numba): until then, Python and chDB
                 "compiled": otlp_compiled.ready(),
+                # one kept-alive connection an exporting process; the cap as the open-file limit allowed it
+                "connections": len(self.s.conns),
+                "max_connections": self.s.config.max_connections,
+                "max_connections_asked": self.s.max_connections_asked,
             }
             self._send(req, 200, orjson.dumps(body), "application/json")
         elif path == "/v1/traces":
@@ -783,6 +787,7 @@ class CollectorHTTPServer:
     requests in flight finished."""
 
     def __init__(self, config: ServerConfig, pipeline: Pipeline) -> None:
+        self.max_connections_asked = config.max_connections
         cap, warning = fit_open_files(config.max_connections)
         if warning:
             log.warning("%s", warning)

@@ -364,7 +364,7 @@ def test_doctor_reports_adapters_collector_and_store(collector_factory, tmp_path
                                            "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"})
     assert r.returncode == 0, r.stdout + r.stderr
     coll = next(ln for ln in r.stdout.splitlines() if ln.startswith("collector"))
-    assert " ok " in coll and "reachable" in coll, coll
+    assert " ok " in coll and "reachable" in coll and "of 4096 connections open" in coll, coll
     assert "0.1 of requests (OTEL_TRACES_SAMPLER=traceidratio)" in r.stdout
     side = next(ln for ln in r.stdout.splitlines() if ln.startswith("export sidecar"))
     assert " ok " in side and "starts" in side, side

@@ -513,6 +513,8 @@ def test_an_open_file_limit_below_the_connection_cap_lowers_the_cap_and_says_so(
     assert col.metric("ttftscope_collector_connections_refused_total") == 300 - ok
     r = requests.post(col.url + "/v1/traces", data=_batch(1000, 5), headers=PB, timeout=10)
     assert r.status_code == 200
+    health = requests.get(col.url + "/healthz", timeout=10).json()  # what `ttftscope doctor` warns of
+    assert (health["max_connections"], health["max_connections_asked"]) == (ok, 4096), health
     assert col.terminate() == 0
     out = col.output()
     assert "open-file limit" in out and f"--max-connections lowered to {ok}" in out, out[-2000:]

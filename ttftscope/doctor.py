@@ -100,8 +100,15 @@ def run_checks(store_url: str | None = None, *, check_collector: bool = True) ->
             elif body and not body.get("store_healthy", True):
                 out.append(Check("collector", "problem", f"{url}: reachable, but its store is down: "
                                                          f"{body.get('store_error')}"))
+            elif body.get("max_connections", 0) < body.get("max_connections_asked", 0):
+                out.append(Check("collector", "warn", f"{url} reachable, but it can hold only "
+                                                      f"{body['max_connections']} connections of the "
+                                                      f"{body['max_connections_asked']} asked (its open-file limit; "
+                                                      "one a vLLM process exports from): raise it, ulimit -n"))
             else:
-                out.append(Check("collector", "ok", f"{url} reachable"))
+                conns = (f"; {body['connections']} of {body['max_connections']} connections open"
+                         if "max_connections" in body else "")
+                out.append(Check("collector", "ok", f"{url} reachable{conns}"))
         except requests.RequestException as e:
             out.append(Check("collector", "problem", f"{url} unreachable ({type(e).__name__}); start "
                                                      "`ttftscope collect` or set TTFTSCOPE_ENDPOINT"))
