@@ -97,12 +97,13 @@ def as_baseline(recs: list[tuple]) -> list[tuple]:
 
     out = []
     for name, s, e, attrs, parent in recs:
-        if name is None:  # a group: (build, args) whose args[5] is (chunks, queued)
+        if name is None:  # a group: (build, args) whose args[E.WORK_ARG] is (chunks, queued)
             build, args = attrs
-            work = args[5]
+            w = E.WORK_ARG
+            work = args[w]
             if work is not None:
                 chunks = [(*c[:6], swap(c[6]), c[7]) for c in work[0]]
-                args = (*args[:5], (chunks, work[1]), *args[6:])
+                args = (*args[:w], (chunks, work[1]), *args[w + 1:])
             attrs = (build, args)
         out.append((name, s, e, attrs, parent))
     return out
@@ -110,8 +111,8 @@ def as_baseline(recs: list[tuple]) -> list[tuple]:
 
 def load_and_hash(frame: bytes) -> list[list[str]]:
     """The sidecar's side of a frame: unpickle it, then every admitted prompt's prefix hashes."""
-    return [c[6].hashes() for r in pickle.loads(frame) if r[0] is None  # a group: args[5] is (chunks, queued)
-            for c in (r[3][1][5] or ((), ()))[0] if c[6] is not None]
+    return [c[6].hashes() for r in pickle.loads(frame) if r[0] is None  # a group: args[E.WORK_ARG] is (chunks, queued)
+            for c in (r[3][1][E.WORK_ARG] or ((), ()))[0] if c[6] is not None]
 
 
 def pair_us(f, x, y, rounds: int) -> tuple[float, float]:
@@ -129,7 +130,7 @@ def hashed_here_us(recs: list[tuple], rounds: int) -> float:
     """CPU (us) of the alternative: the prefix hashes computed in the serving process, then the
     frame pickled with the hashes instead of the ids (the least of ``rounds``; the records are
     left as they were)."""
-    phs = [c[6] for r in recs if r[0] is None for c in (r[3][1][5] or ((), ()))[0] if c[6] is not None]
+    phs = [c[6] for r in recs if r[0] is None for c in (r[3][1][E.WORK_ARG] or ((), ()))[0] if c[6] is not None]
     toks = [ph.toks for ph in phs]
     best = float("inf")
     for _ in range(rounds + 1):

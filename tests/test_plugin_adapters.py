@@ -622,7 +622,7 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     E._on_step_done(st, sched, step_out, 12.01, 12.011)
     with st.runs_lock:
         E.fold_steps(st)
-    held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][6][0]]
+    held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][E.WORK_ARG][0]]
     assert len(held) == 1 and held[0][6] is not None and held[0][6].toks == (), "hashed at once, the prompt let go"
 
 

@@ -717,10 +717,14 @@ def _work_step(st: EngineState, w: WorkStep):
     return None
 
 
+#: where a step's ``(chunks, queued)`` is in the arguments of its :func:`_step_spans` record
+WORK_ARG = 6
+
+
 def _let_prompts_go(args: tuple) -> None:
     """The export queue is backed up (it may hold a step's spans a long time): its prompts'
     prefix hashes computed now and the prompts let go (before the spans are queued)."""
-    for c in args[6][0]:
+    for c in args[WORK_ARG][0]:
         if c[6] is not None:
             c[6].freeze()
 
