@@ -33,12 +33,12 @@ def engine_host_overhead(ctx: Context, min_steps: int = 20) -> list[Finding]:
     share = float(a["host_share"])
     sev = "high" if share >= 0.4 else "medium" if share >= 0.25 else "low" if share >= MIN_SHARE else None
     sched, upd, exe = a["schedule_us_per_step"] / 1e3, a["update_us_per_step"] / 1e3, a["execute_us_per_step"] / 1e3
-    hidden = a.get("hidden_us_per_step", 0.0) / 1e3
-    behind = f"; {hidden:.1f} ms of it per step ran behind the step before (async scheduling)" if hidden else ""
+    hidden, host = a["hidden_us_per_step"] / 1e3, a["host_us_per_step"] / 1e3
+    behind = f"; {hidden:.1f} ms of it per step ran while a step was in flight (async scheduling)" if hidden else ""
     f = finding("engine_host_overhead", sev, share, "share", share,
                 f"the engine core's own Python is {share:.0%} of every step (schedule {sched:.1f} ms + output "
                 f"processing {upd:.1f} ms per step, against {exe:.1f} ms executing the model{behind})",
                 steps=a["steps"], schedule_ms_per_step=sched, update_ms_per_step=upd, execute_ms_per_step=exe,
-                hidden_ms_per_step=hidden,
+                hidden_ms_per_step=hidden, host_ms_per_step=host,
                 prefill_steps=ctx.steps.get("prefill_steps"), decode_steps=ctx.steps.get("decode_steps"))
     return [f] if f else []

@@ -134,8 +134,7 @@ def _host_excess(evidence: dict) -> float:
     time unchanged: a step of host ``h`` and model ``m`` ms shrinks by ``(h - h0) / (h + m)``."""
     from .engine_host import HEALTHY_HOST_MS
 
-    host = max(evidence["schedule_ms_per_step"] + evidence["update_ms_per_step"]
-               - evidence.get("hidden_ms_per_step", 0.0), 0.0)  # (async scheduling: what ran behind a step)
+    host = evidence["host_ms_per_step"]  # (what the workers waited for: less what ran behind a step in flight)
     step = host + evidence["execute_ms_per_step"]
     return max(host - HEALTHY_HOST_MS, 0.0) / step if step > 0 else 0.0
 

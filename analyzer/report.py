@@ -8,7 +8,7 @@ the key says ``_s`` / ``_ns``:
   bands[{band, requests, ttft_ms, phases_ms}], critical_path[{band, requests, path_ms{phase: mean ms}}],
   gaps{request{class{...}}, engine{...}},
   steps{prefill_steps|decode_steps|all{steps, schedule_us_per_step, execute_us_per_step, update_us_per_step,
-        idle_us_per_step, host_share}},
+        idle_us_per_step, hidden_us_per_step, host_us_per_step, host_share}},
   cold_start[{instance, role, cold_start_s, phases_s, idle_s, idle_share, largest_gap, ...}],
   findings[{kind, severity, size, unit, score, title, evidence, impact_ms{p50,p95,p99}|null, affected_requests?,
             impact_at?}] (impact: how much that TTFT percentile drops without the cause; analyzer/impact.py), advice[{because, change, expected_effect, ...}],

@@ -23,9 +23,9 @@ _PARTS = {"schedule": Attr.STEP_SCHEDULE_NS, "execute": Attr.STEP_EXECUTE_NS, "u
 
 def step_anatomy(store, window: Window) -> dict:
     """Totals and per-step means (µs) of schedule / execute / update / idle, split into
-    steps that computed prompt tokens and decode-only steps; ``host_share`` is the host time
-    the workers waited for, (schedule + update - hidden) / (schedule + execute + update - hidden)
-    (``hidden``: what ran behind the step before, async scheduling's; 0 without it)."""
+    steps that computed prompt tokens and decode-only steps; ``host`` is the host time the
+    workers waited for, schedule + update - hidden (``hidden``: what ran while a step was in
+    flight, async scheduling's; 0 without it), and ``host_share`` host / (host + execute)."""
     cols = ", ".join(f"sum(toUInt64OrZero(SpanAttributes['{k}'])) AS {p}"
                      for p, k in {**_PARTS, "hidden": Attr.STEP_HOST_HIDDEN_NS}.items())
     df = store.query(f"""
@@ -38,22 +38,21 @@ def step_anatomy(store, window: Window) -> dict:
     out: dict = {}
     for row in df.iter_rows(named=True):
         kind = "prefill_steps" if row["prefill"] else "decode_steps"
-        out[kind] = {"steps": int(row["steps"]),
-                     **{f"{p}_us_per_step": row[p] / row["steps"] / 1e3 for p in (*_PARTS, "hidden")},
-                     "host_share": _host_share(row)}
+        out[kind] = _per_step(row, int(row["steps"]))
     if out:
         steps = sum(v["steps"] for v in out.values())
-        tot = {p: sum(v[f"{p}_us_per_step"] * v["steps"] for v in out.values()) for p in (*_PARTS, "hidden")}
-        out["all"] = {"steps": steps, **{f"{p}_us_per_step": tot[p] / steps for p in (*_PARTS, "hidden")},
-                      "host_share": _host_share(tot)}
+        out["all"] = _per_step({p: sum(v[f"{p}_us_per_step"] * v["steps"] * 1e3 for v in out.values())
+                                for p in (*_PARTS, "hidden")}, steps)
     return out
 
 
-def _host_share(t: dict) -> float:
-    """The share of the workers' path the engine core's host time held (see :func:`step_anatomy`)."""
-    host = max(t["schedule"] + t["update"] - t["hidden"], 0)
-    busy = host + t["execute"]
-    return host / busy if busy else 0.0
+def _per_step(tot: dict, steps: int) -> dict:
+    """From totals (ns) over ``steps`` steps: the per-step means (µs), the host time the workers
+    waited for, and its share (see :func:`step_anatomy`)."""
+    host = max(tot["schedule"] + tot["update"] - tot["hidden"], 0)
+    busy = host + tot["execute"]
+    return {"steps": steps, **{f"{p}_us_per_step": tot[p] / steps / 1e3 for p in (*_PARTS, "hidden")},
+            "host_us_per_step": host / steps / 1e3, "host_share": host / busy if busy else 0.0}
 
 
 def prefill_steps(store, window: Window) -> pl.DataFrame:

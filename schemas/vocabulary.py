@@ -91,9 +91,9 @@ class Attr:
     STEP_EXECUTE_NS = f"{PREFIX}.step.execute_ns"
     STEP_UPDATE_NS = f"{PREFIX}.step.update_ns"
     STEP_IDLE_NS = f"{PREFIX}.step.idle_ns"
-    # of schedule + update, the part that ran while the workers executed the step before (async
-    # scheduling, vLLM's default on GPU: the next step is scheduled while one runs), so not on
-    # the workers' path; absent (0) without it
+    # host time that ran while the workers executed a step, so not on their path (async
+    # scheduling, vLLM's default on GPU: a step's schedule while the one before it runs, and that
+    # one's update while this one runs); absent (0) without it
     STEP_HOST_HIDDEN_NS = f"{PREFIX}.step.host_hidden_ns"
     RUNNING = f"{PREFIX}.scheduler.running"
     WAITING = f"{PREFIX}.scheduler.waiting"

@@ -479,8 +479,8 @@ def test_engine_host_overhead_sizes_the_python_above_a_healthy_time_per_step(mod
                                          "deliver_generation"]}
     df = pl.DataFrame({**zero, "prefill": [ns(model_ms)] * len(rng), "gap_deliver": [ns(host_ms)] * len(rng),
                        "ttft": [ns(model_ms + host_ms + 2 + i * 0.1) for i in rng]})  # + receive, deliver
-    finding = {"evidence": {"schedule_ms_per_step": 0.3, "update_ms_per_step": host_ms - 0.3,
-                            "execute_ms_per_step": model_ms}}
+    finding = {"evidence": {"schedule_ms_per_step": 0.3, "update_ms_per_step": host_ms - 0.3, "hidden_ms_per_step": 0.0,
+                            "host_ms_per_step": host_ms, "execute_ms_per_step": model_ms}}
     saved, n = impact_ms(df, REMOVED["engine_host_overhead"](finding))
     assert n == len(rng)
     assert saved["p50"] == pytest.approx(host_ms - HEALTHY_HOST_MS, abs=0.01), saved

@@ -227,23 +227,35 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
     assert "prefix_cache_misses" not in [f["kind"] for f in report["findings"]]
 
 
+def _ours_against_vllms(store) -> list[dict]:
+    """Per request with a queue span: vLLM's own queue and prefill times (``gen_ai.latency.*`` on
+    its ``llm_request``: scheduled, and scheduled -> first token, on the engine core's clock) as
+    ``vllm_q`` / ``vllm_p``, and ours as ``q`` (the queue spans) / ``p`` (the queue's end -> the
+    last prefill chunk's end), in seconds."""
+    return ttftscope_sql(store, """
+        SELECT r.q AS vllm_q, r.p AS vllm_p, s.q AS q, s.p AS p FROM
+          (SELECT TraceId AS tid, toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_queue']) AS q,
+                  toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_model_prefill']) AS p
+           FROM otel_traces WHERE SpanName = 'llm_request') AS r
+        INNER JOIN (SELECT TraceId AS tid, sumIf(Duration, SpanName = 'ttftscope.queue') / 1e9 AS q,
+                           (maxIf(toUnixTimestamp64Nano(Timestamp) + Duration, SpanName = 'ttftscope.prefill')
+                            - maxIf(toUnixTimestamp64Nano(Timestamp) + Duration, SpanName = 'ttftscope.queue')) / 1e9 AS p
+                    FROM otel_traces GROUP BY TraceId HAVING countIf(SpanName = 'ttftscope.queue') > 0) AS s
+        ON r.tid = s.tid""")
+
+
 def test_queue_time_request_count_and_model_agree_with_vllms_own(tp1):
     """Witnesses: each request's gen_ai.latency.time_in_queue (vLLM's engine-core clock),
     vllm:request_success_total, and the model name vLLM labels its metrics with."""
     store, _, srv, witness = tp1
-    rows = ttftscope_sql(store, """
-        SELECT r.q AS vllm_q, s.q AS ours FROM
-          (SELECT TraceId AS tid, toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_queue']) AS q
-           FROM otel_traces WHERE SpanName = 'llm_request') AS r
-        INNER JOIN (SELECT TraceId AS tid, sum(Duration) / 1e9 AS q FROM otel_traces
-                    WHERE SpanName = 'ttftscope.queue' GROUP BY tid) AS s ON r.tid = s.tid""")
+    rows = _ours_against_vllms(store)
     http = int(ttftscope_sql(store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.http'")[0]["n"])
     assert http + 1 == witness["vllm:request_success_total"], "every request but the unsampled one has its window"
     assert len(rows) == http, "and its queue span next to vLLM's own queue time"
-    diffs = sorted(abs(float(r["ours"]) - float(r["vllm_q"])) for r in rows)
+    diffs = sorted(abs(float(r["q"]) - float(r["vllm_q"])) for r in rows)
     assert diffs[len(diffs) // 2] <= 0.0005, diffs
     for r in rows:
-        assert abs(float(r["ours"]) - float(r["vllm_q"])) <= max(0.003, 0.1 * float(r["vllm_q"])), r
+        assert abs(float(r["q"]) - float(r["vllm_q"])) <= max(0.003, 0.1 * float(r["vllm_q"])), r
     # every span of a request names the model as vLLM's metrics do (model_name), so the
     # collector's phase and TTFT histograms join vLLM's series in the alert rules
     models = {r["m"] for r in ttftscope_sql(store, """
@@ -525,15 +537,7 @@ def test_async_scheduling_as_on_a_gpu_host_keeps_steps_and_phases_true(tmp_path)
     assert col.terminate() == 0
     assert "AsyncScheduler" in noted.read_text(), "the plant took: the engine core scheduled asynchronously"
     assert "ttftscope: adapter" not in log and "ttftscope: hook" not in log, "no adapter disabled, no hook failed"
-    rows = ttftscope_sql(col.store, """
-        SELECT r.q AS vllm_q, r.p AS vllm_p, s.q AS q, s.p AS p FROM
-          (SELECT TraceId AS tid, toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_queue']) AS q,
-                  toFloat64OrZero(SpanAttributes['gen_ai.latency.time_in_model_prefill']) AS p
-           FROM otel_traces WHERE SpanName = 'llm_request') AS r
-        INNER JOIN (SELECT TraceId AS tid, sumIf(Duration, SpanName = 'ttftscope.queue') / 1e9 AS q,
-                           (maxIf(toUnixTimestamp64Nano(Timestamp) + Duration, SpanName = 'ttftscope.prefill')
-                            - maxIf(toUnixTimestamp64Nano(Timestamp) + Duration, SpanName = 'ttftscope.queue')) / 1e9 AS p
-                    FROM otel_traces GROUP BY TraceId) AS s ON r.tid = s.tid""")
+    rows = _ours_against_vllms(col.store)
     assert len(rows) == 13, rows
     for r in rows:  # queue: schedule() had it; prefill: scheduled -> the first token's output (vLLM's own clock)
         assert abs(float(r["q"]) - float(r["vllm_q"])) <= max(0.003, 0.1 * float(r["vllm_q"])), r

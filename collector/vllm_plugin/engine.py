@@ -190,7 +190,7 @@ class DecodeRun:
     execute: float
     update: float
     idle: float
-    hidden: float = 0.0  # of schedule + update, what ran while the workers executed the step before (async scheduling)
+    hidden: float = 0.0  # host time that ran while the workers executed a step (async scheduling: ``_overlap``)
     waiting: int = 0  # the most requests waiting at any of its steps
     seats: int = 0  # vLLM's max_num_running_reqs, when requests waited
     full: int = 0  # steps in which requests waited and every seat was held
@@ -565,14 +565,11 @@ def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float, 
 @hot("step")
 def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None:
     """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
-    its anatomy is schedule [t0, t1], execute [x0, t_u0], update [t_u0, t_u1], and the idle
-    time since the previous step closed. The workers run the steps in order, so a step starts
-    executing once it is scheduled and the step before it is back: ``x0`` is t1, or with async
-    scheduling (vLLM's default on GPU: the next step is scheduled while one runs) the previous
-    step's ``t_u0`` when later -- its wait in vLLM's batch queue is not execution, and a
-    prefill chunk's span does not cover the chunk before it. One append to the step log
-    either way (a decode step's numbers, or a step that may carry prompt tokens with its
-    output, sorted out off the loop: ``WorkStep``). Hot: its caller catches what it raises."""
+    its anatomy is schedule [t0, t1], execute (from :func:`_overlap`, off the loop: the previous
+    step's ``t_u0`` is logged with it), update [t_u0, t_u1], and the idle time since the
+    previous step closed. One append to the step log either way (a decode step's numbers, or
+    a step that may carry prompt tokens with its output, sorted out off the loop:
+    ``WorkStep``). Hot: its caller catches what it raises."""
     p = st.pending.pop(id(out), None)
     prev_end, prev_u0 = st.last_end, st.last_u0
     st.last_end, st.last_u0 = t_u1, t_u0
@@ -580,9 +577,8 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
         if st.gap_from:
             _unobserved(st, t_u1)
         return
-    x0 = p[2] if p[2] >= prev_u0 else prev_u0
     if p[3] is not None:
-        st.log.append((p, out, sched, x0, t_u0, t_u1, prev_end))
+        st.log.append((p, out, sched, prev_u0, t_u0, t_u1, prev_end))
         if st.rest is not None and not p[5] and not st.after_prompt and st.quiet_left <= 0:
             _rest(st, sched, t_u1)  # the prompts are in, nobody waits: the steps to come are quiet
         return
@@ -591,7 +587,7 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
     total = out.total_num_scheduled_tokens
     waiting = p[5]
     if total:
-        st.log.append((p[0], p[1], p[2], x0, t_u0, t_u1, prev_end, total, p[4], waiting,
+        st.log.append((p[0], p[1], p[2], prev_u0, t_u0, t_u1, prev_end, total, p[4], waiting,
                        sched.max_num_running_reqs if waiting else 0))
     elif waiting:
         st.log.append(None)
@@ -701,17 +697,17 @@ def _work_step(st: EngineState, w: WorkStep):
     or requests first scheduled, its spans (built on the export thread) and None (the open
     run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
     nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
-    (step, t0, t1, admitted, running, waiting), out, sched, x0, t_u0, t_u1, prev_end = w
+    (step, t0, t1, admitted, running, waiting), out, sched, prev_u0, t_u0, t_u1, prev_end = w
     work = _prefill_work(st, sched, out, admitted, step)
     total = out.total_num_scheduled_tokens
     if work is None:
         if total:
-            return (step, t0, t1, x0, t_u0, t_u1, prev_end, total, running, waiting,
+            return (step, t0, t1, prev_u0, t_u0, t_u1, prev_end, total, running, waiting,
                     sched.max_num_running_reqs if waiting else 0)
         return None if waiting else ()
     d = RT.deferred  # several spans in one record: DeferredSpans.group
     if d is not None:
-        d.group(_step_spans, (step, t0, t1, x0, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting,
+        d.group(_step_spans, (step, t0, t1, prev_u0, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting,
                               total, st.engine, prev_end, sched.max_num_running_reqs if waiting else None),
                 _let_prompts_go)
     return None
@@ -729,14 +725,27 @@ def _let_prompts_go(args: tuple) -> None:
             c[6].freeze()
 
 
-def _step_spans(step: int, t0: float, t1: float, x0: float, t_u0: float, t_u1: float, work, batch: int,
+def _overlap(t0: float, t1: float, prev_u0: float, prev_end: float) -> tuple[float, float]:
+    """(when a step scheduled at [t0, t1] began executing, the host time hidden behind a step in
+    flight), from the previous step's update [prev_u0, prev_end]. The workers run the steps in
+    order: a step scheduled while the one before it still ran (async scheduling, vLLM's default
+    on GPU, a batch queue of two) executes from when that one is back, not from its own schedule
+    -- its wait in the queue is not execution, and its prefill chunks' span does not cover the
+    chunk before. Its schedule then ran behind the step before, and the previous step's update
+    behind it: neither kept a worker waiting. Synchronous steps: (t1, 0)."""
+    if prev_u0 > t1:
+        return prev_u0, (t1 - t0) + (prev_end - prev_u0)
+    return t1, 0.0
+
+
+def _step_spans(step: int, t0: float, t1: float, prev_u0: float, t_u0: float, t_u1: float, work, batch: int,
                 running: int, waiting: int, total: int, engine: str, prev_end: float, max_num_seqs) -> list[tuple]:
     """A step with prefill work or requests first scheduled, as spans (on the export thread):
     the intake and queue waits of the requests it scheduled first (queue: from when the
-    scheduler had them to this schedule), its prefill chunks (execute: [x0, t_u0], see
-    :func:`_on_step_done`), and the step itself (its anatomy: schedule [t0, t1], execute,
-    update [t_u0, t_u1], idle since ``prev_end``; the host time hidden behind the step before
-    with async scheduling)."""
+    scheduler had them to this schedule), its prefill chunks (execute: from :func:`_overlap`
+    to ``t_u0``), and the step itself (its anatomy: schedule [t0, t1], execute, update
+    [t_u0, t_u1], idle since ``prev_end``, host time hidden behind a step in flight)."""
+    x0, hidden = _overlap(t0, t1, prev_u0, prev_end)
     out = []
     chunks, queued = work or ((), ())
     for q, rx, req_id, external, priority, headers in queued:
@@ -750,8 +759,7 @@ def _step_spans(step: int, t0: float, t1: float, x0: float, t_u0: float, t_u1: f
         out.append((SpanName.PREFILL, x0, t_u0, _prefill_attrs(c, step, batch, engine), c[4]))
     if total:
         prefill_tokens = sum(c[1] for c in chunks)
-        anatomy = (t1 - t0, max(t_u0 - x0, 0.0), t_u1 - t_u0, max(t0 - prev_end, 0.0) if prev_end else 0.0,
-                   (t1 - t0) + (t_u1 - t_u0) if x0 > t1 else 0.0)
+        anatomy = (t1 - t0, max(t_u0 - x0, 0.0), t_u1 - t_u0, max(t0 - prev_end, 0.0) if prev_end else 0.0, hidden)
         out.append((SpanName.STEP, t0, t_u1, _step_attrs(step, prefill_tokens, total, running, waiting, batch, engine,
                                                           anatomy, max_num_seqs), None))
     return out
@@ -780,10 +788,10 @@ def fold_steps(st: EngineState) -> None:
                 _emit_run(r, engine)
                 r = None
             continue
-        step, t0, t1, x0, t_u0, t_u1, prev_end, total, running, waiting, seats = d
+        step, t0, t1, prev_u0, t_u0, t_u1, prev_end, total, running, waiting, seats = d
+        x0, hidden_s = _overlap(t0, t1, prev_u0, prev_end)
         sched_s, exec_s, upd_s = t1 - t0, max(t_u0 - x0, 0.0), t_u1 - t_u0
         idle_s = max(t0 - prev_end, 0.0) if prev_end else 0.0
-        hidden_s = sched_s + upd_s if x0 > t1 else 0.0  # scheduled while the step before ran
         full = 1 if waiting and running >= seats else 0
         if r is None or (r.waiting > 0) != (waiting > 0) or (waiting and idle_s >= RUN_SPLIT_IDLE_S):
             if r is not None:
