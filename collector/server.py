@@ -72,9 +72,10 @@ class ServerConfig:
     #: a client that sends nothing for this long (headers or body) is cut off (408 on a body)
     read_timeout_s: float = 15.0
     #: open connections at most; more are answered 503 and closed at once. A fleet holds one
-    #: kept-alive connection an exporting process (a hundred vLLM servers: ~600), so the cap is
-    #: high; each idle one costs a few KB. Lowered to what the open-file limit allows
-    #: (:func:`fit_open_files`)
+    #: kept-alive connection an exporting process (a vLLM server has an API server, an engine
+    #: core and a worker a GPU, each exporting), so the cap is high; an idle one costs ~2.3 KB of
+    #: RSS (1,000 kept-alive connections, each answered once: measured). Lowered to what the
+    #: open-file limit allows (:func:`fit_open_files`)
     max_connections: int = 4096
     #: group commit: a small request waits at most this long for others to share its spool
     #: sync and its checks (not at all when every open connection is waiting)
@@ -82,13 +83,13 @@ class ServerConfig:
 
 
 #: descriptors kept for everything but connections: the spool's segments, the store's part
-#: files (a query or a merge opens one per part), chDB's own (~40 at rest)
+#: files (a query or a merge opens one per part), chDB's own (an idle collector holds 39 in all)
 FD_RESERVE = 256
 
 
 def fit_open_files(max_connections: int) -> tuple[int, str | None]:
     """Make room for ``max_connections`` connections: this process's soft open-file limit raised
-    as far as needed, up to the hard limit (the usual soft limit, 1,024, holds ~750); where the
+    as far as needed, up to the hard limit (the usual soft limit, 1,024, holds 768); where the
     hard limit is lower, the cap lowered to fit, so that a connection past it is answered 503
     instead of an accept failing for want of a descriptor. (the cap, a warning or None)"""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -484,7 +484,8 @@ def _fleet_round(port: int, n: int, first: int) -> tuple[list[bytes], set[str]]:
 
 def test_a_fleet_of_kept_alive_exporters_is_served_whole(collector_factory):
     """A fleet of vLLM servers holds an export connection a process to one collector (an API
-    server, an engine core and workers each, kept alive between exports; a hundred servers ~600):
+    server, an engine core and a worker a GPU each, kept alive between exports: a hundred servers at
+    TP = 4 hold 600):
     1,100 at once are every one served, though the collector starts under the usual soft
     open-file limit of 1,024 (it raises its own, up to the hard limit). At the old cap of 256 the
     rest were answered 503 -- for as long as the others stayed connected, so their spans piled up
