@@ -37,6 +37,9 @@ from ttftscope.collector.vllm_plugin import engine as E  # noqa: E402
 from ttftscope.collector.vllm_plugin.runtime import RT  # noqa: E402
 from ttftscope.schemas.vocabulary import HANDOFF_HEADER, PREFIX_BLOCK  # noqa: E402
 
+#: a scheduler output's ``scheduled_cached_reqs`` with no request in it (vLLM's outputs always carry one)
+NO_CACHED = NS(req_ids=[], num_computed_tokens=[])
+
 
 def _as_array(code: str, toks: bytes, hashes):
     a = array(code)
@@ -78,12 +81,12 @@ def records(n: int, prompt: int, rng: random.Random) -> list[tuple]:
         E._on_add(r, time.time())
         r.num_computed_tokens = prompt
         out = NS(num_scheduled_tokens={r.request_id: prompt, "d": 1},
-                 scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)],
+                 scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)],
                  total_num_scheduled_tokens=prompt + 1)
         E._on_schedule(st, sched, out, time.time(), time.time())
         E._on_step_done(st, sched, out, time.time(), time.time())
         for _ in range(5):
-            out = NS(num_scheduled_tokens={"d": 1}, scheduled_new_reqs=[], total_num_scheduled_tokens=1)
+            out = NS(num_scheduled_tokens={"d": 1}, scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], total_num_scheduled_tokens=1)
             E._on_schedule(st, sched, out, time.time(), time.time())
             E._on_step_done(st, sched, out, time.time(), time.time())
         E.flush_decode_run(st)

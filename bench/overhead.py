@@ -106,12 +106,14 @@ def _role_of(p: psutil.Process) -> str:
     return "other"
 
 
-def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
     """By role (the API server, its engine core and workers, the plugin's sidecars), from one walk
     of vLLM's process tree: the CPU seconds of every process (all threads, user + system, from
     /proc; measured from outside, so it includes everything the plugin adds: hooks, export
-    threads, vLLM's own tracing it turns on), and of them the seconds spent busy-waiting in
-    vLLM's queues (bench/vllm_waits' files in ``waits_dir``, one a process)."""
+    threads, vLLM's own tracing it turns on), of them the seconds spent busy-waiting in vLLM's
+    queues, and Python's garbage collections (``[CPU seconds, gen-0, gen-1, gen-2 collections, CPU
+    seconds of each generation's]``;
+    bench/vllm_waits' files in ``waits_dir``, one a process)."""
     cpu: dict[str, float] = {}
     roles: dict[int, str] = {}
     root = psutil.Process(pid)
@@ -123,6 +125,7 @@ def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, fl
         role = roles[p.pid] = _role_of(p)
         cpu[role] = cpu.get(role, 0.0) + t.user + t.system
     waits: dict[str, float] = {}
+    gcs: dict[str, list[float]] = {}
     for f in waits_dir.glob("*.json"):
         try:
             doc = json.loads(f.read_text())
@@ -130,7 +133,11 @@ def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, fl
             continue
         role = roles.get(doc.get("pid"), "gone")
         waits[role] = waits.get(role, 0.0) + doc.get("wait_cpu_s", 0.0)
-    return cpu, waits
+        g = gcs.setdefault(role, [0.0] * 7)
+        for i, v in enumerate([doc.get("gc_cpu_s", 0.0), *doc.get("gc_collections", (0, 0, 0)),
+                               *doc.get("gc_cpu_by_gen_s", (0.0, 0.0, 0.0))]):
+            g[i] += v
+    return cpu, waits, gcs
 
 
 def _steps(url: str) -> float:
@@ -223,13 +230,14 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
         time.sleep(SETTLE_S)
         with around(srv) if around is not None else contextlib.nullcontext():
             cpu0, self0 = _cpu(col), _self_timing(tmp / "self")
-            (vcpu0, waits0), steps0 = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url)
+            (vcpu0, waits0, gc0), steps0 = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url)
             res = run_profile(srv.url, srv.model, profile)
             time.sleep(SETTLE_S)  # (also one more self-timing write)
             cpu = _cpu(col) - cpu0
-            (vcpu1, waits1), steps = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url) - steps0
+            (vcpu1, waits1, gc1), steps = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url) - steps0
         vllm_cpu = {r: vcpu1[r] - vcpu0.get(r, 0.0) for r in vcpu1}
         vllm_waits = {r: waits1[r] - waits0.get(r, 0.0) for r in waits1}
+        vllm_gc = {r: [a - b for a, b in zip(g, gc0.get(r, [0.0] * 7), strict=True)] for r, g in gc1.items()}
         own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if timed else {}
     finally:
         srv.stop()
@@ -241,7 +249,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
             sink.wait(10)
     return {"ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"], "throughput": res["request_throughput"],
             "completed": res["completed"], "collector_cpu_s": cpu, "own": own, "vllm_cpu_s": vllm_cpu,
-            "vllm_waits_s": vllm_waits, "steps": steps}
+            "vllm_waits_s": vllm_waits, "vllm_gc": vllm_gc, "steps": steps}
 
 
 def main() -> None:
@@ -434,6 +442,7 @@ def _outside(results: dict, med: dict) -> None:
                                for m in ("vllm", "plugin", "accounted", "plugin-b", "sink") if m in per_req)
             print(f"    {role:<14} us/request: {cells}   {adds}   (none's spread {spread[role]:.0f})")
         add_engine[less] = per_req["plugin"]["engine_core"] - per_req["none"]["engine_core"]
+    _garbage(results, roles)
     print("  (export_sidecar: the plugin's export processes, children of vLLM's but ttftscope's own: they build, "
           "encode and post the spans off vLLM's processes and GIL)")
     print(f"  engine core per step: {add_engine[False] / max(steps_per_req, 1e-9):+.1f} us as measured, "
@@ -443,6 +452,27 @@ def _outside(results: dict, med: dict) -> None:
         return
     print(f"plugin into a discarding sink (no collector CPU on these cores) vs none: TTFT p50 "
           f"{k['ttft_p50'] / base['ttft_p50'] - 1:+.1%}, throughput {k['throughput'] / base['throughput'] - 1:+.1%}")
+
+
+def _garbage(results: dict, roles: tuple[str, ...]) -> None:
+    """Python's garbage collections per request, by process and mode (medians over rounds;
+    bench/vllm_waits counts them): a collection is paid by whichever allocation triggers it,
+    vLLM's or the plugin's, so the plugin's share of them shows only as more of them with it on."""
+    print("  garbage collections (bench/vllm_waits: gc.callbacks), medians over rounds: us of CPU a request (gen 0 / "
+          "1 / 2), and collections a request (gen 0 / 1 / 2):")
+    for role in roles:
+        cells = []
+        for m, runs in results.items():
+            g = [x.get("vllm_gc", {}).get(role) for x in runs]
+            if not all(g):
+                continue
+            n = [x["completed"] for x in runs]
+            us = statistics.median(v[0] / k * 1e6 for v, k in zip(g, n, strict=True))
+            per = [statistics.median(v[i] / k for v, k in zip(g, n, strict=True)) for i in (1, 2, 3)]
+            by = [statistics.median(v[i] / k * 1e6 for v, k in zip(g, n, strict=True)) for i in (4, 5, 6)]
+            cells.append(f"{m} {us:6.1f} us ({by[0]:.1f} / {by[1]:.1f} / {by[2]:.1f}; "
+                         f"{per[0]:.2f} / {per[1]:.3f} / {per[2]:.4f})")
+        print(f"    {role:<14} " + "   ".join(cells))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ from conftest import PY, ROOT
 from ttftscope.collector.vllm_plugin import adapters as ad
 from ttftscope.collector.vllm_plugin.config import PluginConfig
 
+#: a scheduler output's ``scheduled_cached_reqs`` with no request in it (vLLM's outputs always carry one)
+NO_CACHED = SimpleNamespace(req_ids=[], num_computed_tokens=[])
+
 
 def test_every_adapter_finds_every_vllm_internal_it_touches():
     checked = ad.check_all()
@@ -120,7 +123,7 @@ def test_a_failing_step_hook_turns_the_step_hooks_off_and_never_reaches_vllm(mon
     outputs = []
 
     def schedule(self, *a, **kw):  # stands in for vLLM's methods (no engine here)
-        out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+        out = SimpleNamespace(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
         outputs.append(out)
         return out
 
@@ -257,7 +260,7 @@ def test_outputs_carry_the_step_number_only_where_the_workers_use_it(monkeypatch
     sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
 
     def one_step() -> SimpleNamespace:
-        out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+        out = SimpleNamespace(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
         E._on_schedule(E.ST, sched, out, 1.0, 1.001)
         E._on_step_done(E.ST, sched, out, 1.010, 1.012)
         return out
@@ -405,7 +408,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
 
     def step(t: float, tokens: dict, new=(), waiting=0, sch=0.001, exe=0.010, upd=0.002):
         out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
-                 scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=sched.requests[r].num_computed_tokens) for r in new])
+                 scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=sched.requests[r].num_computed_tokens) for r in new])
         sched.waiting = [0] * waiting
         for r, n in tokens.items():
             if r in sched.requests:
@@ -415,7 +418,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
         drain()
 
     for i in range(10):  # decode steps 1..10, 3 running, 5 ms idle between them
-        out = NS(num_scheduled_tokens={"a": 1, "b": 1, "c": 1}, scheduled_new_reqs=[], total_num_scheduled_tokens=3)
+        out = NS(num_scheduled_tokens={"a": 1, "b": 1, "c": 1}, scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], total_num_scheduled_tokens=3)
         t = 1.0 + i * 0.018
         E._on_schedule(st, sched, out, t, t + 0.001)
         E._on_step_done(st, sched, out, t + 0.011, t + 0.013)
@@ -586,7 +589,7 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     def step(t: float, reqs) -> list[tuple]:
         tokens = {r.request_id: 100 for r in reqs}
         out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
-                 scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in reqs])
+                 scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in reqs])
         for r in reqs:
             sched.requests[r.request_id] = r
             r.num_computed_tokens = 100
@@ -614,7 +617,7 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
         q.add("filler", 1.0, 2.0, {})
     r3 = req(3)
     step_out = NS(num_scheduled_tokens={r3.request_id: 100},
-                  scheduled_new_reqs=[NS(req_id=r3.request_id, num_computed_tokens=0)],
+                  scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r3.request_id, num_computed_tokens=0)],
                   total_num_scheduled_tokens=100)
     sched.requests[r3.request_id] = r3
     r3.num_computed_tokens = 100
@@ -658,7 +661,7 @@ def test_with_async_scheduling_a_step_executes_from_when_the_one_before_is_back(
                 E._on_add(r, t - 0.5)
                 sched.requests[r.request_id] = r
                 outs[k] = NS(num_scheduled_tokens={r.request_id: 100}, total_num_scheduled_tokens=100,
-                             scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)])
+                             scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)])
                 r.num_computed_tokens = 100
                 E._on_schedule(st, sched, outs[k], t, t + 0.001)
             else:
@@ -784,6 +787,67 @@ def test_the_middleware_sets_apart_a_streams_wait_for_a_token_with_text(monkeypa
     assert http[3][Attr.HTTP_TEXT_WAIT_TOKENS] == 1
 
 
+def test_a_chunks_first_token_is_read_from_its_bytes_as_a_parse_reads_it():
+    """The middleware finds a stream's first token by searching the chunk's bytes (vLLM's own
+    shapes), not by parsing it: on chunks serialised by vLLM's own response classes, as its
+    serving code does (``model_dump_json(exclude_unset=True)``), and on chunks whose text holds
+    the keys searched for, it must answer what the parse answers, and what was planted."""
+    from vllm.entrypoints.generate.base.protocol import (
+        DeltaFunctionCall,
+        DeltaMessage,
+        DeltaToolCall,
+    )
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice as ChatChoice,
+    )
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionStreamResponse as Chat,
+    )
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice as Choice
+    from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
+
+    def Completion(**kw):  # noqa: N802 - as vLLM's serving code makes one: id, object and created set
+        return CompletionStreamResponse(object="text_completion", **kw)
+
+    from ttftscope.collector.vllm_plugin import http as H
+
+    tricky = 'say \\"text\\":\\"x\\" and "content":"y" \u00e9\n'
+    planted = [  # (the chunk as vLLM writes it, whether it carries a token)
+        (Completion(id="cmpl-3", created=1, model="m", choices=[Choice(index=0, text="")]), False),
+        (Completion(id="cmpl-3", created=1, model="m", choices=[Choice(index=0, text=" hi")]), True),
+        (Completion(id="cmpl-3", created=1, model="m", choices=[Choice(index=0, text="", token_ids=[])]), False),
+        (Completion(id="cmpl-3", created=1, model="m", choices=[Choice(index=0, text="", token_ids=[17])]), True),
+        (Completion(id="cmpl-3", created=1, model="m", choices=[Choice(index=0, text="", finish_reason="stop")]), True),
+        (Completion(id="cmpl-3", created=1, model="m", choices=[Choice(index=0, text="", prompt_token_ids=[1, 2])]), False),
+        (Completion(id="cmpl-3", created=1, model="m", choices=[Choice(index=0, text=tricky)]), True),
+        (Completion(id="cmpl-3", created=1, model="m", choices=[]), False),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", choices=[ChatChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]), False),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", choices=[ChatChoice(index=0, delta=DeltaMessage(role="assistant"))]), False),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", choices=[ChatChoice(index=0, delta=DeltaMessage(content="Hi"))]), True),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", choices=[ChatChoice(index=0, delta=DeltaMessage(reasoning="hmm"))]), True),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", choices=[ChatChoice(index=0, delta=DeltaMessage(content=""), finish_reason="length")]),
+         True),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", choices=[ChatChoice(index=0, delta=DeltaMessage(tool_calls=[DeltaToolCall(
+            index=0, function=DeltaFunctionCall(name="f"))]))]), True),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", prompt_text=tricky,
+              choices=[ChatChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]), False),
+        (Chat(id="chatcmpl-4", object="chat.completion.chunk", created=1, model="m", prompt_token_ids=[5, 6],
+              choices=[ChatChoice(index=0, delta=DeltaMessage(content=tricky))]), True),
+    ]
+    for resp, token in planted:
+        data = resp.model_dump_json(exclude_unset=True).encode()
+        body = b"data: " + data + b"\n\n"
+        assert data.startswith(b'{"id":"') and b'"choices":[' in data, ("vLLM's shape, read without a parse", data)
+        assert H._has_token(body) == H._has_token_parsed(data) == (token, resp.id, bool(resp.choices)), data
+    # several events in one body, [DONE], and shapes that are parsed (the Responses API's events)
+    two = (b'data: {"id":"c1","choices":[{"index":0,"text":""}]}\n\n'
+           b'data: {"id":"c1","choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]\n\n')
+    assert H._has_token(two) == (True, "c1", True)
+    assert H._has_token(b'data: {"type":"response.output_text.delta","delta":"a"}\n\n') == (True, "", True)
+    assert H._has_token(b'data: {"type":"response.created","response":{}}\n\n') == (False, "", False)
+    assert H._has_token(b"data: not json\n\n") == (False, "", False)
+
+
 def test_prefix_hashes_are_the_same_lazy_or_frozen_and_hold_a_bounded_prompt():
     """The engine keeps a reference to the prompt and the export thread hashes it; frozen (the
     export queue backed up) the hashes are computed at once and the prompt let go. Two prompts
@@ -838,7 +902,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
             tokens[r.request_id] = r.num_prompt_tokens
             r.num_computed_tokens = r.num_prompt_tokens
         admit.clear()
-        return NS(scheduled_new_reqs=new, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()))
+        return NS(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=new, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()))
 
     def update(self, scheduler_output, *a, **kw):
         calls["update"] += 1
@@ -941,7 +1005,7 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
 
     S = sched_mod.Scheduler
     for name, fn in (("add_request", lambda self, r: None),
-                     ("schedule", lambda self, *a, **kw: NS(scheduled_new_reqs=[], num_scheduled_tokens={"a": 1},
+                     ("schedule", lambda self, *a, **kw: NS(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1},
                                                             total_num_scheduled_tokens=1)),
                      ("update_from_output", lambda self, out, *a, **kw: "updated")):
         monkeypatch.setattr(S, name, fn)  # vLLM's methods, standing in (no engine here)

@@ -12,8 +12,15 @@ most of their CPU here (bench/overhead at 10 req/s, three runs of three rounds o
 the worker). The bench reports vLLM's processes with and without it. Its own cost, two clock
 reads and a lock a message (not measured apart), is paid alike in every mode.
 
-``TTFTSCOPE_BENCH_WAITS=DIR``: each process writes ``DIR/<pid>.json`` (``{"wait_cpu_s": ...}``)
-every half second. Unset: nothing is patched."""
+It also counts each process's **garbage collections** (``gc.callbacks``: their number by
+generation and their thread CPU): every object a hook allocates brings the next collection
+nearer, and a collection is paid by whichever allocation triggers it — vLLM's or the plugin's —
+so neither the plugin's accounting nor a sampler that attributes a collection to the line that
+triggered it tells the plugin's share; the collections per request, plugin on against off, do.
+
+``TTFTSCOPE_BENCH_WAITS=DIR``: each process writes ``DIR/<pid>.json`` (``{"wait_cpu_s": ...,
+"gc_cpu_s": ..., "gc_collections": [gen0, gen1, gen2], "gc_cpu_by_gen_s": [...]}``) every half second. Unset: nothing is
+patched."""
 
 from __future__ import annotations
 
@@ -51,6 +58,19 @@ class _Timed:
 
 _LOCK = threading.Lock()
 _WAIT = [0.0]  # the waits that ended
+_GC = [0.0, 0, 0, 0, 0.0, 0.0, 0.0]  # garbage collections: CPU, how many by generation, CPU by generation
+_GC_T0 = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    """gc.callbacks: a collection's thread CPU (it runs holding the GIL: one at a time)."""
+    if phase == "start":
+        _GC_T0[0] = time.thread_time()
+        return
+    dt, g = time.thread_time() - _GC_T0[0], info.get("generation", 0)
+    _GC[0] += dt
+    _GC[1 + g] += 1
+    _GC[4 + g] += dt
 _OPEN: dict[int, float] = {}  # thread -> its CPU clock when its wait in progress began
 
 
@@ -71,7 +91,8 @@ def _write(out: str) -> None:
         try:
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"pid": os.getpid(), "wait_cpu_s": _total()}, f)
+                json.dump({"pid": os.getpid(), "wait_cpu_s": _total(), "gc_cpu_s": _GC[0],
+                           "gc_collections": _GC[1:4], "gc_cpu_by_gen_s": _GC[4:]}, f)
             os.replace(tmp, path)
         except OSError:
             pass
@@ -99,8 +120,12 @@ def register() -> None:
         global _LOCK
         _LOCK = threading.Lock()  # a forked child's own: the parent's writer may have held it at the fork
         _WAIT[0] = 0.0
+        _GC[:] = [0.0, 0, 0, 0, 0.0, 0.0, 0.0]
         _OPEN.clear()
         threading.Thread(target=_write, args=(out,), name="benchwaits", daemon=True).start()
 
+    import gc
+
+    gc.callbacks.append(_on_gc)
     os.register_at_fork(after_in_child=start)  # a forked worker: its own counts, its own file
     start()

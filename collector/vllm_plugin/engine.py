@@ -170,7 +170,8 @@ class _ChainOf:
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
 #: (step, t0, t1, admitted or None, running, waiting): admitted, for a step that may carry prompt
-#: tokens, is its new requests' ``(NewRequestData, Request, PrefillStats)``; None for a decode-only step
+#: tokens, is its new requests' ``(request id, tokens computed before, Request, PrefillStats)`` (read
+#: from vLLM's ``NewRequestData``, which is not kept); None for a decode-only step
 PendingStep = tuple
 
 
@@ -199,7 +200,12 @@ class DecodeRun:
 _RUN_FIELDS = operator.attrgetter(*DecodeRun.__slots__)  # the fields, in order (dataclass slots)
 
 #: a step that may have carried prompt tokens, as the engine loop logs it: (``PendingStep``, its
-#: SchedulerOutput, the scheduler, t_u0, t_u1, previous step's end); sorted out by ``_work_step``
+#: SchedulerOutput's ``num_scheduled_tokens``, ``total_num_scheduled_tokens`` and the two lists of its
+#: ``scheduled_cached_reqs`` read (``req_ids``, ``num_computed_tokens``), the scheduler, previous
+#: step's t_u0, t_u0, t_u1, previous step's end); sorted out by ``_work_step``. Not the output
+#: itself: held until the fold (up to a second), its whole object graph — which vLLM lets go when
+#: the step closes — outlived collections of the youngest generation and made every one of them
+#: dearer (bench/overhead's garbage-collection rows)
 WorkStep = tuple
 
 #: a prefill in progress with no chunk for this many steps, its request gone from vLLM: let go
@@ -488,7 +494,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             for n in new:
                 r = requests.get(n.req_id)
                 if r is not None:
-                    admitted.append((n, r, r.prefill_stats))
+                    admitted.append((n.req_id, n.num_computed_tokens, r, r.prefill_stats))
     st.after_prompt = bool(sched._inflight_prefills)  # prompts still in progress after this step
     pending = st.pending
     pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting))
@@ -496,21 +502,20 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
         del pending[next(iter(pending))]
 
 
-def _prefill_work(st: EngineState, sched, out, admitted: list, step: int) -> tuple[list[Chunk], list[tuple]] | None:
+def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_computed: list, admitted: list,
+                  step: int) -> tuple[list[Chunk], list[tuple]] | None:
     """The prefill chunks of a step (``Chunk``), and the requests scheduled for the first
     time ``(queued at, input thread had it or None, request id, external id, priority, trace
     headers)``; None when there are neither. Off the engine loop (the step-flush thread, in
     step order): the tokens each request had computed before the step are the output's own
-    snapshots (``NewRequestData`` / ``CachedRequestData.num_computed_tokens``); a request's
+    snapshots (``NewRequestData`` / ``CachedRequestData.num_computed_tokens``, read when it was logged); a request's
     later chunks are those of a request whose prefill is in progress (``st.chunks``)."""
     chunks, queued = [], []
-    ns = out.num_scheduled_tokens
     progress = st.chunks
-    todo = [(n.req_id, r, ps, n.num_computed_tokens) for n, r, ps in admitted]
+    todo = [(req_id, r, ps, prior) for req_id, prior, r, ps in admitted]
     if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
         seen = {t[0] for t in todo}
-        c = out.scheduled_cached_reqs
-        cached = dict(zip(c.req_ids, c.num_computed_tokens, strict=False))
+        cached = dict(zip(cached_ids, cached_computed, strict=False))
         for req_id, (_, req, last) in list(progress.items()):
             if req_id in seen:
                 continue
@@ -578,7 +583,9 @@ def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None
             _unobserved(st, t_u1)
         return
     if p[3] is not None:
-        st.log.append((p, out, sched, prev_u0, t_u0, t_u1, prev_end))
+        c = out.scheduled_cached_reqs
+        st.log.append((p, out.num_scheduled_tokens, out.total_num_scheduled_tokens, c.req_ids, c.num_computed_tokens,
+                       sched, prev_u0, t_u0, t_u1, prev_end))
         if st.rest is not None and not p[5] and not st.after_prompt and st.quiet_left <= 0:
             _rest(st, sched, t_u1)  # the prompts are in, nobody waits: the steps to come are quiet
         return
@@ -697,9 +704,9 @@ def _work_step(st: EngineState, w: WorkStep):
     or requests first scheduled, its spans (built on the export thread) and None (the open
     run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
     nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
-    (step, t0, t1, admitted, running, waiting), out, sched, prev_u0, t_u0, t_u1, prev_end = w
-    work = _prefill_work(st, sched, out, admitted, step)
-    total = out.total_num_scheduled_tokens
+    (step, t0, t1, admitted, running, waiting), ns, total, cached_ids, cached_computed, sched, prev_u0, t_u0, t_u1, \
+        prev_end = w
+    work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step)
     if work is None:
         if total:
             return (step, t0, t1, prev_u0, t_u0, t_u1, prev_end, total, running, waiting,
@@ -707,7 +714,7 @@ def _work_step(st: EngineState, w: WorkStep):
         return None if waiting else ()
     d = RT.deferred  # several spans in one record: DeferredSpans.group
     if d is not None:
-        d.group(_step_spans, (step, t0, t1, prev_u0, t_u0, t_u1, work, len(out.num_scheduled_tokens), running, waiting,
+        d.group(_step_spans, (step, t0, t1, prev_u0, t_u0, t_u1, work, len(ns), running, waiting,
                               total, st.engine, prev_end, sched.max_num_running_reqs if waiting else None),
                 _let_prompts_go)
     return None
