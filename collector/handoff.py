@@ -22,8 +22,8 @@ posting then finishes on its own); the sidecar ignores SIGINT and SIGTERM
 its pipe closes). ``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the serving process.
 
 Wire: a 4-byte little-endian length, then one pickle of ``(sources, batches, raw)``:
-``sources`` the resource, scope and kind of each source the sidecar has not seen as they
-are now, ``batches`` each source's records, ``raw`` an already serialized OTLP request (SDK
+``sources`` the resource, scope and kind of each source in the frame (every frame: the
+sidecar keeps no state a lost frame could leave wrong), ``batches`` each source's records, ``raw`` an already serialized OTLP request (SDK
 spans, which keep their own span ids: the cold-start root, vLLM's start-up spans) or b"".
 """
 
@@ -117,7 +117,6 @@ class Sidecar:
         self.proc: subprocess.Popen | None = None
         self.fd = -1
         self.starts = 0
-        self.generation = 0  # a new sidecar knows no sources yet
         self.broken = False  # no sidecar any more: export in-process
         self.retry_after: str | None = None  # read by the processor when a batch could not be handed over
         self.why: str | None = None  # why there is no sidecar (``broken``)
@@ -166,7 +165,6 @@ class Sidecar:
             os.close(r)
         os.set_blocking(w, False)
         self.fd = w
-        self.generation += 1
         return True
 
     def send(self, frame: memoryview) -> str:
@@ -245,8 +243,6 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
         settings = {"endpoint": endpoint, "timeout_s": timeout_s, **{k: kw[k] for k in ("max_queue", "max_batch",
                                                                                        "interval_s") if k in kw}}
         self.link = Sidecar(role, timeout_s, settings)
-        self._sent: dict[int, tuple] = {}  # source index -> (resource, scope, kind) the sidecar has
-        self._sent_gen = 0
         self._pickle_failed = False
         super().__init__(exporter, **kw)
 
@@ -256,20 +252,19 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
     def _post(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
         if not self.link.ensure():
             return super()._post(sdk_spans, taken)  # in-process, through the poster (``_client``)
-        if self._sent_gen != self.link.generation:
-            self._sent, self._sent_gen = {}, self.link.generation
         tick = GilYield()
         c0 = time.thread_time()
         raw = sdk_body(sdk_spans, tick)
         c1 = time.thread_time()
+        # every frame names its sources (resource, scope, kind), not only the first that carried
+        # them: a frame the sidecar could not read (or a new sidecar) then costs that frame's
+        # spans, never every later span of a source it was not told of (a few small dicts a frame)
         news, batches = [], []
         for src, records in taken:
             i = self.sources.index(src)
             if src._resource_attrs is None:
                 src._resource_attrs = dict(src.resource.attributes) if src.resource is not None else {}
-            desc = (src._resource_attrs, src.scope, src.kind.value if src.kind is not None else None)
-            if self._sent.get(i) != desc:
-                news.append((i, *desc))
+            news.append((i, src._resource_attrs, src.scope, src.kind.value if src.kind is not None else None))
             batches.append((i, records))
         try:
             frame = dump_frame((news, batches, raw))
@@ -286,7 +281,6 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
         got = self.link.send(frame)
         self._account(c0, c1, c2)
         if got == "ok":
-            self._sent.update((i, tuple(d)) for i, *d in news)
             self._status = 200
             return True
         # nothing handed over: first in line again for a new sidecar at once; else counted failed

@@ -145,6 +145,36 @@ def test_a_killed_sidecar_is_replaced_and_what_comes_after_arrives(collector_fac
     assert [r["n"] for r in got] == ["first", "second"]
 
 
+class Unreadable:
+    """An attribute value of a class the sidecar cannot import (this test module is not on its
+    path): the frame that carries it is one the sidecar cannot read."""
+
+
+def test_a_frame_the_sidecar_cannot_read_costs_its_own_spans_only(collector_factory):
+    """One bad frame costs its spans, not the source's later ones: the first frame a source is
+    in is also the one that told the sidecar of it (its resource, scope and kind). When the
+    sidecar named the source's descriptor once only, the next frame's spans, fine in themselves,
+    were dropped as of an unknown source, and every one after them."""
+    col = collector_factory().start()
+    proc, tracer, ours, vllms = _pipeline(col.url, "bad-frame", True)
+    ours.add("unreadable", T0, T0 + 1, {"v": Unreadable()})
+    vllms.add("llm_request", T0, T0 + 1, {"i": 0})
+    assert proc.force_flush()
+    for k in (1, 2):
+        ours.add(f"after-{k}", T0 + k, T0 + k + 1, {"i": k})
+        vllms.add("llm_request", T0 + k, T0 + k + 1, {"i": k})
+        assert proc.force_flush()
+    assert proc.link.starts == 1, "the same sidecar read the frames after the bad one"
+    proc.shutdown()
+    col.wait_quiet(quiet_s=1.0)
+    assert col.terminate() == 0
+    got = ttftscope_sql(col.store, "SELECT SpanName AS n, ScopeName AS s FROM otel_traces "
+                                   "WHERE ServiceName = 'bad-frame' ORDER BY n, SpanAttributes['i']")
+    assert [(r["n"], r["s"]) for r in got] == [("after-1", "ttftscope.vllm"), ("after-2", "ttftscope.vllm"),
+                                               ("llm_request", "vllm.tracing.otel"),
+                                               ("llm_request", "vllm.tracing.otel")]
+
+
 def test_without_a_sidecar_the_export_stays_in_process(collector_factory, monkeypatch, caplog):
     """A sidecar that cannot start (here the interpreter exits at once) takes no record with it:
     the export thread encodes and posts them itself, and says so once."""
