@@ -9,6 +9,7 @@ configuration, and notes in ``PLANTED_ASYNC_LOG`` each process that configured a
 each ``AsyncScheduler`` built. Nothing else of vLLM is changed."""
 
 import os
+import sys
 
 
 def _note(what: str) -> None:
@@ -19,6 +20,10 @@ def _note(what: str) -> None:
 
 
 try:
+    if "ttftscope.collector.handoff" in getattr(sys, "orig_argv", ()):
+        # the plugin's export sidecars: no vLLM engine there (importing vLLM's platform here
+        # would only slow each one's start by torch's import)
+        raise ImportError
     from vllm.platforms import cpu
 
     _orig = cpu.CpuPlatform.check_and_update_config.__func__
