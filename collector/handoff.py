@@ -22,9 +22,10 @@ posting then finishes on its own); the sidecar ignores SIGINT and SIGTERM
 its pipe closes). ``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the serving process.
 
 Wire: a 4-byte little-endian length, then one pickle of ``(sources, batches, raw)``:
-``sources`` the resource, scope and kind of each source in the frame (every frame: the
-sidecar keeps no state a lost frame could leave wrong), ``batches`` each source's records, ``raw`` an already serialized OTLP request (SDK
-spans, which keep their own span ids: the cold-start root, vLLM's start-up spans) or b"".
+``sources`` the resource, scope and kind of each source in the frame (in every frame: the
+sidecar keeps no state a lost frame could leave wrong), ``batches`` each source's records,
+``raw`` an already serialized OTLP request (SDK spans, which keep their own span ids: the
+cold-start root, vLLM's start-up spans) or b"".
 """
 
 from __future__ import annotations

@@ -508,8 +508,9 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
     time ``(queued at, input thread had it or None, request id, external id, priority, trace
     headers)``; None when there are neither. Off the engine loop (the step-flush thread, in
     step order): the tokens each request had computed before the step are the output's own
-    snapshots (``NewRequestData`` / ``CachedRequestData.num_computed_tokens``, read when it was logged); a request's
-    later chunks are those of a request whose prefill is in progress (``st.chunks``)."""
+    snapshots (``NewRequestData`` / ``CachedRequestData.num_computed_tokens``, read when the
+    step was logged); a request's later chunks are those of a request whose prefill is in
+    progress (``st.chunks``)."""
     chunks, queued = [], []
     progress = st.chunks
     todo = [(req_id, r, ps, prior) for req_id, prior, r, ps in admitted]

@@ -136,10 +136,10 @@ def _has_token(body: bytes) -> tuple[bool, str, bool]:
     vLLM's completion and chat chunks (``{"id":"...", ..., "choices":[...]}``) are read by
     searching their bytes (one regular expression), nothing parsed or built but the id: the
     JSON parse of the same chunk, with the dicts it builds, was the plugin's largest item in the
-    API server by py-spy's samples (bench/plugin_profile, one round each: 58 µs a request, 20 after; 1.5 and 1.3
-    µs a chunk warm). In JSON every quote inside a string is escaped, so ``"text":"`` can only
-    be a key and its value's start. Any other shape (the Responses API's events) is parsed
-    (:func:`_has_token_parsed`)."""
+    API server by py-spy's samples (bench/plugin_profile, one round each: 58 µs a request, 20
+    after; 1.5 and 1.3 µs a chunk warm). In JSON every quote inside a string is escaped, so
+    ``"text":"`` can only be a key and its value's start. Any other shape (the Responses API's
+    events) is parsed (:func:`_has_token_parsed`)."""
     rid, choice = "", False
     for line in body.split(b"\n"):
         if not line.startswith(b"data:"):
