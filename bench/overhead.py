@@ -106,13 +106,13 @@ def _role_of(p: psutil.Process) -> str:
     return "other"
 
 
-def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
+def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, float], dict[str, dict]]:
     """By role (the API server, its engine core and workers, the plugin's sidecars), from one walk
     of vLLM's process tree: the CPU seconds of every process (all threads, user + system, from
     /proc; measured from outside, so it includes everything the plugin adds: hooks, export
     threads, vLLM's own tracing it turns on), of them the seconds spent busy-waiting in vLLM's
-    queues, and Python's garbage collections (``[CPU seconds, gen-0, gen-1, gen-2 collections, CPU
-    seconds of each generation's]``;
+    queues, and Python's garbage collections (``{"n": [gen 0, 1, 2 collections], "s": [their CPU
+    seconds]}``;
     bench/vllm_waits' files in ``waits_dir``, one a process)."""
     cpu: dict[str, float] = {}
     roles: dict[int, str] = {}
@@ -125,7 +125,7 @@ def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, fl
         role = roles[p.pid] = _role_of(p)
         cpu[role] = cpu.get(role, 0.0) + t.user + t.system
     waits: dict[str, float] = {}
-    gcs: dict[str, list[float]] = {}
+    gcs: dict[str, dict] = {}
     for f in waits_dir.glob("*.json"):
         try:
             doc = json.loads(f.read_text())
@@ -133,10 +133,9 @@ def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, fl
             continue
         role = roles.get(doc.get("pid"), "gone")
         waits[role] = waits.get(role, 0.0) + doc.get("wait_cpu_s", 0.0)
-        g = gcs.setdefault(role, [0.0] * 7)
-        for i, v in enumerate([doc.get("gc_cpu_s", 0.0), *doc.get("gc_collections", (0, 0, 0)),
-                               *doc.get("gc_cpu_by_gen_s", (0.0, 0.0, 0.0))]):
-            g[i] += v
+        g = gcs.setdefault(role, {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0]})
+        for key, got in (("n", doc.get("gc_collections")), ("s", doc.get("gc_cpu_s"))):
+            g[key] = [a + b for a, b in zip(g[key], got or (0, 0, 0), strict=True)]
     return cpu, waits, gcs
 
 
@@ -237,7 +236,8 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
             (vcpu1, waits1, gc1), steps = _vllm_cpu(srv.proc.pid, tmp / "waits"), _steps(srv.url) - steps0
         vllm_cpu = {r: vcpu1[r] - vcpu0.get(r, 0.0) for r in vcpu1}
         vllm_waits = {r: waits1[r] - waits0.get(r, 0.0) for r in waits1}
-        vllm_gc = {r: [a - b for a, b in zip(g, gc0.get(r, [0.0] * 7), strict=True)] for r, g in gc1.items()}
+        vllm_gc = {r: {k: [a - b for a, b in zip(g[k], gc0[r][k] if r in gc0 else (0, 0, 0), strict=True)] for k in g}
+                   for r, g in gc1.items()}
         own = _self_cost(self0, _self_timing(tmp / "self"), res["completed"]) if timed else {}
     finally:
         srv.stop()
@@ -467,9 +467,9 @@ def _garbage(results: dict, roles: tuple[str, ...]) -> None:
             if not all(g):
                 continue
             n = [x["completed"] for x in runs]
-            us = statistics.median(v[0] / k * 1e6 for v, k in zip(g, n, strict=True))
-            per = [statistics.median(v[i] / k for v, k in zip(g, n, strict=True)) for i in (1, 2, 3)]
-            by = [statistics.median(v[i] / k * 1e6 for v, k in zip(g, n, strict=True)) for i in (4, 5, 6)]
+            us = statistics.median(sum(v["s"]) / k * 1e6 for v, k in zip(g, n, strict=True))
+            per = [statistics.median(v["n"][i] / k for v, k in zip(g, n, strict=True)) for i in range(3)]
+            by = [statistics.median(v["s"][i] / k * 1e6 for v, k in zip(g, n, strict=True)) for i in range(3)]
             cells.append(f"{m} {us:6.1f} us ({by[0]:.1f} / {by[1]:.1f} / {by[2]:.1f}; "
                          f"{per[0]:.2f} / {per[1]:.3f} / {per[2]:.4f})")
         print(f"    {role:<14} " + "   ".join(cells))

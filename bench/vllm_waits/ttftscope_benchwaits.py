@@ -19,7 +19,7 @@ so neither the plugin's accounting nor a sampler that attributes a collection to
 triggered it tells the plugin's share; the collections per request, plugin on against off, do.
 
 ``TTFTSCOPE_BENCH_WAITS=DIR``: each process writes ``DIR/<pid>.json`` (``{"wait_cpu_s": ...,
-"gc_cpu_s": ..., "gc_collections": [gen0, gen1, gen2], "gc_cpu_by_gen_s": [...]}``) every half second. Unset: nothing is
+"gc_collections": [gen 0, gen 1, gen 2], "gc_cpu_s": [the same generations' seconds]}``) every half second. Unset: nothing is
 patched."""
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class _Timed:
 
 _LOCK = threading.Lock()
 _WAIT = [0.0]  # the waits that ended
-_GC = [0.0, 0, 0, 0, 0.0, 0.0, 0.0]  # garbage collections: CPU, how many by generation, CPU by generation
+_GC_N = [0, 0, 0]  # garbage collections by generation: how many
+_GC_S = [0.0, 0.0, 0.0]  # ... and their thread CPU (seconds)
 _GC_T0 = [0.0]
 
 
@@ -67,10 +68,9 @@ def _on_gc(phase: str, info: dict) -> None:
     if phase == "start":
         _GC_T0[0] = time.thread_time()
         return
-    dt, g = time.thread_time() - _GC_T0[0], info.get("generation", 0)
-    _GC[0] += dt
-    _GC[1 + g] += 1
-    _GC[4 + g] += dt
+    g = info.get("generation", 0)
+    _GC_N[g] += 1
+    _GC_S[g] += time.thread_time() - _GC_T0[0]
 _OPEN: dict[int, float] = {}  # thread -> its CPU clock when its wait in progress began
 
 
@@ -91,8 +91,7 @@ def _write(out: str) -> None:
         try:
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"pid": os.getpid(), "wait_cpu_s": _total(), "gc_cpu_s": _GC[0],
-                           "gc_collections": _GC[1:4], "gc_cpu_by_gen_s": _GC[4:]}, f)
+                json.dump({"pid": os.getpid(), "wait_cpu_s": _total(), "gc_collections": _GC_N, "gc_cpu_s": _GC_S}, f)
             os.replace(tmp, path)
         except OSError:
             pass
@@ -120,7 +119,7 @@ def register() -> None:
         global _LOCK
         _LOCK = threading.Lock()  # a forked child's own: the parent's writer may have held it at the fork
         _WAIT[0] = 0.0
-        _GC[:] = [0.0, 0, 0, 0, 0.0, 0.0, 0.0]
+        _GC_N[:], _GC_S[:] = [0, 0, 0], [0.0, 0.0, 0.0]
         _OPEN.clear()
         threading.Thread(target=_write, args=(out,), name="benchwaits", daemon=True).start()
 

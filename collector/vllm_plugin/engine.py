@@ -170,8 +170,8 @@ class _ChainOf:
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
 #: (step, t0, t1, admitted or None, running, waiting): admitted, for a step that may carry prompt
-#: tokens, is its new requests' ``(request id, tokens computed before, Request, PrefillStats)`` (read
-#: from vLLM's ``NewRequestData``, which is not kept); None for a decode-only step
+#: tokens, is its new requests' ``(request id, Request, PrefillStats, tokens computed before)`` (the
+#: id and the count read from vLLM's ``NewRequestData``, which is not kept); None for a decode-only step
 PendingStep = tuple
 
 
@@ -494,7 +494,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             for n in new:
                 r = requests.get(n.req_id)
                 if r is not None:
-                    admitted.append((n.req_id, n.num_computed_tokens, r, r.prefill_stats))
+                    admitted.append((n.req_id, r, r.prefill_stats, n.num_computed_tokens))
     st.after_prompt = bool(sched._inflight_prefills)  # prompts still in progress after this step
     pending = st.pending
     pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting))
@@ -513,7 +513,7 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
     progress (``st.chunks``)."""
     chunks, queued = [], []
     progress = st.chunks
-    todo = [(req_id, r, ps, prior) for req_id, prior, r, ps in admitted]
+    todo = list(admitted)  # (request id, Request, PrefillStats, tokens computed before), as logged
     if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
         seen = {t[0] for t in todo}
         cached = dict(zip(cached_ids, cached_computed, strict=False))
