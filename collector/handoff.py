@@ -108,14 +108,51 @@ def dump_frame(msg) -> memoryview:
 _TABLE = _dispatch_table()
 
 
+class Detached:
+    """A sidecar process that is not this process's child, watched through a pidfd: ``poll``,
+    ``wait`` and ``kill`` as ``subprocess.Popen``'s (its exit status is its parent's, init's, to
+    read: ``poll`` answers 0 once it has gone)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._fd], [], [], 0)[0]:
+            self.returncode = 0
+            os.close(self._fd)
+        return self.returncode
+
+    def __del__(self) -> None:
+        if self.returncode is None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not select.select([self._fd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(f"export sidecar {self.pid}", timeout)
+        return self.poll()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 class Sidecar:
-    """The export process of one serving process, fed over a pipe (started on first use)."""
+    """The export process of one serving process, fed over a pipe (started on first use, or
+    at once: :meth:`start_soon`)."""
 
     def __init__(self, role: str, timeout_s: float, settings: dict) -> None:
         self.role = role
         self.timeout_s = timeout_s
         self.settings = settings  # the sidecar's endpoint, timeout, queue, batch and interval
-        self.proc: subprocess.Popen | None = None
+        self.proc: Detached | None = None
         self.fd = -1
         self.starts = 0
         self.broken = False  # no sidecar any more: export in-process
@@ -131,8 +168,7 @@ class Sidecar:
         if self.fd >= 0 and self.proc is not None and self.proc.poll() is None:
             return True
         if self.proc is not None and self.proc.poll() is not None:  # what it held and had not posted is lost
-            log.warning("ttftscope: the export sidecar (pid %d) exited with status %s; starting another",
-                        self.proc.pid, self.proc.returncode)
+            log.warning("ttftscope: the export sidecar (pid %d) exited; starting another", self.proc.pid)
         self._discard()
         if self.starts >= MAX_STARTS:
             self.broken, self.why = True, f"the export sidecar stopped {self.starts} times"
@@ -147,18 +183,35 @@ class Sidecar:
                 fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_BYTES)
             except (OSError, ImportError):
                 pass
-            # -P: not the working directory's modules first (a user's own "ttftscope" package)
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "ttftscope.collector.handoff", self.role,
-                                          json.dumps(self.settings)],
-                                         stdin=r, stdout=subprocess.PIPE, close_fds=True)
-            # it says it is ready (imports done, its processor up) before it is given anything:
-            # a sidecar that cannot start loses no records and leaves the export here, loudly
-            with self.proc.stdout as ready:
-                if not (select.select([ready], [], [], READY_TIMEOUT_S)[0] and ready.read(1) == b"R"):
-                    self.proc.kill()
-                    raise RuntimeError(f"it did not start (exit status {self.proc.wait()})")
+            # -P: not the working directory's modules first (a user's own "ttftscope" package).
+            # The process started here forks the sidecar and leaves at once (``detach``)
+            launcher = subprocess.Popen([sys.executable, "-P", "-m", "ttftscope.collector.handoff", self.role,
+                                         json.dumps(self.settings)],
+                                        stdin=r, stdout=subprocess.PIPE, close_fds=True)
+            # it says who it is, then that it is ready (imports done, its processor up) before it
+            # is given anything: a sidecar that cannot start loses no records and leaves the
+            # export here, loudly
+            self.proc = None  # (one before it, if alive, was killed or drains on its own)
+            with launcher.stdout as ready:
+                deadline = time.monotonic() + READY_TIMEOUT_S
+                said = b""
+                while not said.endswith(b"R") and len(said) < 32:
+                    if not select.select([ready], [], [], max(deadline - time.monotonic(), 0))[0]:
+                        break
+                    got = os.read(ready.fileno(), 32)
+                    if not got:
+                        break
+                    said += got
+                    if self.proc is None and b"\n" in said:
+                        self.proc = Detached(int(said.split(b"\n", 1)[0]))
+                launcher.wait(READY_TIMEOUT_S)
+                if not said.endswith(b"R"):
+                    if self.proc is not None:
+                        self.proc.kill()
+                    raise RuntimeError(f"it did not start (the launcher's exit status {launcher.returncode})")
         except Exception as e:  # noqa: BLE001 - no sidecar: the export thread does it, as before
             os.close(w)
+            self.proc = None
             self.broken, self.why = True, f"no export sidecar ({e})"
             log.warning("ttftscope: %s; exporting from this process", self.why)
             return False
@@ -346,12 +399,27 @@ def _self_timing(out_dir: str, parent_role: str, proc: _SidecarProcessor, source
     write_every_second(Path(out_dir) / f"export-sidecar-{os.getpid()}.json", doc)
 
 
+def detach() -> None:
+    """Leave the serving process's tree and its session, first thing: the process the serving
+    process started forks the sidecar and exits at once, and the sidecar, a child of init (or
+    of a subreaper) in a session of its own, says its pid. vLLM force-kills its engine core's
+    whole process tree at a shutdown that aborts requests (``kill_process_tree``), and a
+    terminal's Ctrl-C or a process group's TERM reaches every process of the group: a sidecar
+    in either still held the last spans it had been handed (tests/test_vllm_plugin.py, a server
+    stopped right after its last request). It leaves when its pipe closes, as before."""
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+    os.write(1, b"%d\n" % os.getpid())
+
+
 def main(argv: list[str] | None = None) -> int:
     """The sidecar: frames from stdin until it closes, then everything posted, then exit."""
     argv = sys.argv[1:] if argv is None else argv
     parent_role, settings = argv[0], json.loads(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # vLLM's Ctrl-C / group TERM: drain, leave at EOF
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    detach()
     try:
         os.nice(NICE)
     except OSError:
