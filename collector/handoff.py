@@ -11,15 +11,16 @@ small child process (``python -m ttftscope.collector.handoff``, at nice 10), bui
 the same code (``DeferredSpans.encode``, ``OtlpHttpPoster``), retries as before and keeps
 its own bounded queue.
 
-Safety: the sidecar is started on the first export; one that dies is started again (at most
+Safety: the sidecar is started on the first export (an engine core's or worker's at once:
+``start_now``) and is nobody's child in vLLM's tree (:func:`detach`); one that dies is started again (at most
 ``MAX_STARTS`` times, then the records are encoded and posted in-process as before, with
 one warning); a pipe that stays full for the export timeout (a stopped sidecar) counts the
 batch failed and starts a new sidecar. A record that cannot be pickled is encoded here, as
 before. At exit the serving process hands over what is left, closes the pipe and waits for
-the sidecar to post it (up to 4 s: vLLM kills a child's whole tree after 5; a sidecar still
-posting then finishes on its own); the sidecar ignores SIGINT and SIGTERM
-(a Ctrl-C or a process-group TERM stops vLLM, and the sidecar then drains and leaves when
-its pipe closes). ``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the serving process.
+the sidecar to post it (up to 4 s; a sidecar still posting then finishes on its own); the
+sidecar ignores SIGINT and SIGTERM and drains and leaves when its pipe closes. At a shutdown
+vLLM force-kills its engine cores' trees at once: they hand their spans over before that
+(``vllm_plugin.handover``). ``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the serving process.
 
 Wire: a 4-byte little-endian length, then one pickle of ``(sources, batches, raw)``:
 ``sources`` the resource, scope and kind of each source in the frame (in every frame: the
@@ -61,8 +62,8 @@ MAX_STARTS = 5
 #: stays in the serving process
 READY_TIMEOUT_S = 30.0
 #: how long a serving process waits at exit for its sidecar to post what it holds (seconds):
-#: under vLLM's own 5-s grace for a child before it kills the child's whole tree, sidecar
-#: included; a sidecar still posting then finishes on its own
+#: under vLLM's own 5-s grace for a child before it kills the child's whole tree (the sidecar,
+#: not in that tree, is not killed with it: a sidecar still posting then finishes on its own)
 EXIT_WAIT_S = 4.0
 #: the sidecar's niceness: its work is background and waits well, vLLM's threads do not
 #: (best effort; a host where vLLM spins on every core still gives it ~10 % of a core's share)
@@ -293,12 +294,26 @@ def probe(endpoint: str, timeout_s: float = READY_TIMEOUT_S) -> str | None:
 class HandoffProcessor(BoundedBatchSpanProcessor):
     """The plugin's bounded processor, exporting through an export sidecar (module docstring)."""
 
-    def __init__(self, exporter, *, role: str, endpoint: str, timeout_s: float, **kw) -> None:
+    def __init__(self, exporter, *, role: str, endpoint: str, timeout_s: float, start_now: bool = False,
+                 **kw) -> None:
+        """``start_now``: the sidecar is started at once, not by the first export (an engine
+        core or worker asked to hand its spans over at a shutdown then only writes them to
+        it: ``vllm_plugin.handover``)."""
         settings = {"endpoint": endpoint, "timeout_s": timeout_s, **{k: kw[k] for k in ("max_queue", "max_batch",
                                                                                        "interval_s") if k in kw}}
         self.link = Sidecar(role, timeout_s, settings)
         self._pickle_failed = False
+        self.start_now = start_now
         super().__init__(exporter, **kw)
+
+    def _run(self) -> None:
+        if self.start_now:
+            with self._drain_lock:  # (a flush meanwhile waits for it, not starts another)
+                try:
+                    self.link.ensure()
+                except Exception:  # noqa: BLE001 - the first export tries again
+                    pass
+        super()._run()
 
     def _client(self):
         return super()._client() if self.link.broken else self.link

@@ -648,3 +648,43 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
                                                                  "WHERE TraceId = {t:String}",
                                                       params={"t": _trace_of(col.store, rid)})}
         assert {"ttftscope.http", "ttftscope.deliver", "ttftscope.queue", "ttftscope.prefill"} <= spans, (rid, spans)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-the-api-server"])
+def test_a_server_stopped_right_after_its_last_request_keeps_every_requests_engine_spans(tmp_path, how):
+    """Users stop vLLM right after a benchmark: Ctrl-C in its terminal (SIGINT to the whole
+    process group) or a container's stop (SIGTERM to the API server alone). With vLLM's default
+    ``--shutdown-timeout 0`` it then SIGKILLs its engine core's whole process tree at once. Each
+    request the client was answered must keep its engine-core spans (intake, queue, prefill, in
+    the trace of vLLM's own ``llm_request``) and the engine its steps. Before the hand-over
+    (``vllm_plugin.handover``) and the detached sidecar: 0 engine-core spans of 7 requests."""
+    import os
+    import signal
+
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="stopped").start()
+    try:
+        answered = [srv.completion("warm up", 2)["id"]]
+        answered += [srv.completion(prompt_of(40, 700 + i), 4)["id"] for i in range(6)]
+        proc = srv.proc
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        log = srv.output()
+    finally:
+        srv.stop()
+    col.wait_quiet()
+    assert col.terminate() == 0
+    traces = {rid: _trace_of(col.store, rid) for rid in answered}  # vLLM's own llm_request, one each
+    got = ttftscope_sql(col.store, """
+        SELECT TraceId AS t, countIf(SpanName = 'ttftscope.queue') AS queue,
+               countIf(SpanName = 'ttftscope.prefill') AS prefill, countIf(SpanName = 'ttftscope.intake') AS intake
+        FROM otel_traces GROUP BY TraceId""")
+    by_trace = {r["t"]: (int(r["intake"]), int(r["queue"]), int(r["prefill"])) for r in got}
+    assert {rid: by_trace.get(t) for rid, t in traces.items()} == {rid: (1, 1, 1) for rid in answered}
+    steps = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.step' "
+                                     "AND toInt64OrZero(SpanAttributes['ttftscope.step.prefill_tokens']) > 0")
+    assert int(steps[0]["n"]) >= len(answered), "every prompt's step"
+    assert "handed their spans over" in log

@@ -10,7 +10,8 @@ table without starting vLLM). A hook that fails at run time disables itself, nev
 
 Layout: ``config`` (the environment), ``adapters`` (the registry and its self-check),
 ``runtime`` (state, span sink, guard), one module per process role (``frontend``,
-``engine``, ``worker``), ``coldstart`` and ``forks`` (a process vLLM forks registers too).
+``engine``, ``worker``), ``coldstart``, ``forks`` (a process vLLM forks registers too) and
+``handover`` (at a shutdown, the engine processes hand their spans over before vLLM kills them).
 
 Environment: ``TTFTSCOPE_ENABLED=0`` turns it off; ``TTFTSCOPE_ENDPOINT`` (else the
 standard ``OTEL_EXPORTER_OTLP_*``); ``TTFTSCOPE_SAMPLE_RATIO`` (else ``OTEL_TRACES_SAMPLER``

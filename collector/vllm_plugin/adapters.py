@@ -163,7 +163,7 @@ def install_for(role: str, disabled: frozenset[str] = frozenset()) -> list[Adapt
 
 def _load_all() -> None:
     """Import the modules that define adapters (each registers itself)."""
-    from . import engine, forks, frontend, http, vllm_tracing, worker  # noqa: F401
+    from . import engine, forks, frontend, handover, http, vllm_tracing, worker  # noqa: F401
 
 
 def check_all() -> list[Adapter]:

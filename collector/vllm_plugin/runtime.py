@@ -190,7 +190,9 @@ def setup_otel(role: str) -> None:
     if cfg.export_process:  # built, encoded and posted by an export sidecar (collector.handoff)
         from ..handoff import HandoffProcessor
 
-        proc = HandoffProcessor(exporter, role=role, endpoint=cfg.endpoint, timeout_s=cfg.export_timeout_s, **kw)
+        # an engine core's or worker's sidecar at once: at a shutdown they only hand over to it
+        proc = HandoffProcessor(exporter, role=role, endpoint=cfg.endpoint, timeout_s=cfg.export_timeout_s,
+                                start_now=role in (ProcessRole.ENGINE_CORE.value, ProcessRole.WORKER.value), **kw)
     else:
         proc = BoundedBatchSpanProcessor(exporter, **kw)
     provider.add_span_processor(proc)
@@ -266,15 +268,21 @@ def reset_exit_hooks() -> None:
     _EXIT_HOOKS.clear()
 
 
-def on_exit() -> None:
-    if RT.exited:
-        return
-    RT.exited = True
+def run_exit_hooks() -> None:
+    """What this process holds but has not recorded yet (an open run of steps) recorded now:
+    at exit, and when it is asked to hand its spans over (``handover``)."""
     for fn in _EXIT_HOOKS:
         try:
             fn()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+
+
+def on_exit() -> None:
+    if RT.exited:
+        return
+    RT.exited = True
+    run_exit_hooks()
     try:
         if RT.processor is not None:
             RT.processor.shutdown()
