@@ -32,7 +32,7 @@ most of the worker's and the engine core's CPU here, and it grows with the wall 
 side takes, not with the process's work. Each round is shown, with the spread of ``none``'s
 own rounds next to every difference: on this VM it is milliseconds a request a process even
 less the waits (its speed moves the work itself), so a difference inside it is noise. The
-plugin's export sidecars (collector.handoff: children of vLLM's processes that build, encode
+plugin's export sidecars (collector.handoff: processes started by vLLM's, found by the pid they name, that build, encode
 and post the spans) are reported on a row of their own, and with vLLM's.
 The plugin's own accounting (TTFTSCOPE_SELF_TIMING) gives each process's hooks per hook, its
 export thread and its step-flush thread (the engine core's steps sorted out off the loop). What it
@@ -65,6 +65,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from ttftscope.collector.handoff import sidecars_of  # noqa: E402
+
 from support.procs import CollectorProc, VllmServer, free_port, wait_http  # noqa: E402
 from ttftscope.loadgen import Profile, run_profile  # noqa: E402
 
@@ -117,7 +119,8 @@ def _vllm_cpu(pid: int, waits_dir: Path) -> tuple[dict[str, float], dict[str, fl
     cpu: dict[str, float] = {}
     roles: dict[int, str] = {}
     root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
+    tree = [root, *root.children(recursive=True)]
+    for p in tree + sidecars_of(p.pid for p in tree):  # (the sidecars are not in vLLM's tree)
         try:
             t = p.cpu_times()
         except psutil.Error:
@@ -443,7 +446,7 @@ def _outside(results: dict, med: dict) -> None:
             print(f"    {role:<14} us/request: {cells}   {adds}   (none's spread {spread[role]:.0f})")
         add_engine[less] = per_req["plugin"]["engine_core"] - per_req["none"]["engine_core"]
     _garbage(results, roles)
-    print("  (export_sidecar: the plugin's export processes, children of vLLM's but ttftscope's own: they build, "
+    print("  (export_sidecar: the plugin's export processes, started by vLLM's (not in its process tree): they build, "
           "encode and post the spans off vLLM's processes and GIL)")
     print(f"  engine core per step: {add_engine[False] / max(steps_per_req, 1e-9):+.1f} us as measured, "
           f"{add_engine[True] / max(steps_per_req, 1e-9):+.1f} us less waits [<= 3 us] ({steps_per_req:.1f} steps per request)")

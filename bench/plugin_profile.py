@@ -60,6 +60,7 @@ import overhead  # noqa: E402 - bench/overhead: the same load, server and accoun
 import ttftscope.analyzer  # noqa: E402
 import ttftscope.collector  # noqa: E402
 import ttftscope.schemas  # noqa: E402
+from ttftscope.collector.handoff import sidecars_of  # noqa: E402
 
 import ttftscope  # noqa: E402
 from support.procs import VllmServer  # noqa: E402
@@ -138,7 +139,8 @@ def _roles(pid: int) -> dict[str, list[int]]:
     """role -> pids of vLLM's process tree (roles as bench/overhead names them)."""
     root = psutil.Process(pid)
     out: dict[str, list[int]] = {}
-    for p in [root, *root.children(recursive=True)]:
+    tree = [root, *root.children(recursive=True)]
+    for p in tree + sidecars_of(p.pid for p in tree):  # (the sidecars are not in vLLM's tree)
         out.setdefault(overhead._role_of(p), []).append(p.pid)
     return out
 

@@ -187,7 +187,7 @@ class Sidecar:
             # -P: not the working directory's modules first (a user's own "ttftscope" package).
             # The process started here forks the sidecar and leaves at once (``detach``)
             launcher = subprocess.Popen([sys.executable, "-P", "-m", "ttftscope.collector.handoff", self.role,
-                                         json.dumps(self.settings)],
+                                         json.dumps({**self.settings, "of": os.getpid()})],
                                         stdin=r, stdout=subprocess.PIPE, close_fds=True)
             # it says who it is, then that it is ready (imports done, its processor up) before it
             # is given anything: a sidecar that cannot start loses no records and leaves the
@@ -280,6 +280,24 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 log.warning("ttftscope: the export sidecar (pid %d) is still posting; leaving it to finish", proc.pid)
         self.proc = None
+
+
+def sidecars_of(pids) -> list:
+    """The export sidecars (``psutil.Process``) of the serving processes ``pids``: they are not
+    those processes' children (:func:`detach`), so they are found by the pid each names in its
+    command line (``"of"`` in its settings)."""
+    import psutil
+
+    pids, out = set(pids), []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        try:
+            i = cmd.index("ttftscope.collector.handoff")
+            if json.loads(cmd[i + 2]).get("of") in pids:
+                out.append(p)
+        except (ValueError, IndexError, TypeError, AttributeError):
+            continue
+    return out
 
 
 def probe(endpoint: str, timeout_s: float = READY_TIMEOUT_S) -> str | None:

@@ -112,6 +112,7 @@ def test_records_handed_to_the_sidecar_arrive_as_the_in_process_export_writes_th
             import psutil
 
             assert psutil.Process(pid).nice() == min(os.nice(0) + handoff.NICE, 19), "it yields to vLLM's threads"
+            assert [p.pid for p in handoff.sidecars_of([os.getpid()])] == [pid], "found by the pid it names"
         proc.shutdown()
         if sidecar:
             assert proc.link.proc is None, "the sidecar left once its pipe closed and it had posted"

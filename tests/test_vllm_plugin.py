@@ -415,9 +415,11 @@ def test_stock_vllm_tracing_without_the_plugin(tmp_path):
 def _sidecars_rss_mb(srv) -> dict[str, float]:
     """Resident memory (MB) of the serving processes' export sidecars, by the role they export for."""
     import psutil
+    from ttftscope.collector.handoff import sidecars_of
 
+    root = psutil.Process(srv.proc.pid)
     out = {}
-    for p in psutil.Process(srv.proc.pid).children(recursive=True):
+    for p in sidecars_of([root.pid, *(c.pid for c in root.children(recursive=True))]):
         try:
             cmd = p.cmdline()
             if "ttftscope.collector.handoff" in cmd:
