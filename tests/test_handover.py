@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT
 from ttftscope.collector.vllm_plugin import handover
 
@@ -71,3 +72,23 @@ def test_a_process_that_does_not_listen_is_skipped_and_one_that_does_not_answer_
             os.kill(holder.pid, signal.SIGCONT)
             holder.kill()
             not_plugin.kill()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="sends as another user: needs root to change its uid")
+def test_a_request_from_another_user_is_ignored():
+    """An abstract socket has no file permissions: any local user could send the request. The
+    kernel's credentials on the datagram say who did; another user's is not answered or acted on."""
+    asker = ("import os, sys; sys.path.insert(0, {root!r}); "
+             "from ttftscope.collector.vllm_plugin import handover; os.setuid(65534); "
+             "print(*handover.ask([{pid}], wait_s=1.0))")
+    with PostSink() as sink:
+        holder = _holder(sink.url)
+        try:
+            other = subprocess.run([sys.executable, "-c", asker.format(root=str(ROOT), pid=holder.pid)],
+                                   capture_output=True, text=True, timeout=60)
+            assert other.stdout.split() == ["1", "0"], other.stderr[-2000:]
+            time.sleep(1.0)
+            assert not sink.seen, "nothing handed over for another user's request"
+            assert handover.ask([holder.pid], wait_s=10) == (1, 1), "its own user's is"
+        finally:
+            holder.kill()

@@ -13,7 +13,8 @@ none of those requests' queue, prefill or step spans, while the API server's all
 (tests/test_vllm_plugin.py: 0 engine-core spans for 7 requests).
 
 Each engine core and worker listens on an abstract Unix datagram socket named by its pid (a
-thread blocked in ``recvfrom``: nothing of it runs per request or step). The process that
+thread blocked on it: nothing of it runs per request or step; requests from another user are
+ignored). The process that
 manages the engine cores (the API server, or the launcher of several) wraps vLLM's
 ``CoreEngineProcManager.shutdown``: before vLLM's own code runs, it asks every live process of
 those trees to hand over and waits for their answers. Each answers once it has recorded what
@@ -29,6 +30,7 @@ import functools
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 
@@ -40,7 +42,17 @@ from .runtime import RT, log, run_exit_hooks
 #: how long the managing process waits for the answers, all together (seconds)
 HANDOVER_WAIT_S = 2.0
 _ASK, _DONE, _LATE = b"hand over", b"done", b"late"
+_CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _LISTENING: list[socket.socket] = []  # this process's socket (a forked child closes the parent's)
+
+
+def sender_uid(ancillary) -> int | None:
+    """The user id the kernel vouches for in a datagram's credentials (``SCM_CREDENTIALS``): an
+    abstract socket has no file permissions, so a request from another user is ignored."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CRED.size:
+            return _CRED.unpack_from(data)[1]
+    return None
 
 
 def address(pid: int) -> bytes:
@@ -61,6 +73,7 @@ def listen() -> bool:
     """Answer hand-over requests (engine core, worker): a daemon thread blocked on the socket."""
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each request says who sent it
         sock.bind(address(os.getpid()))
     except OSError as e:
         log.warning("ttftscope: this process cannot be asked to hand its spans over at a shutdown (%s): its last "
@@ -86,12 +99,13 @@ def _serve(sock: socket.socket) -> None:
     from ..otel_setup import name_native_thread
 
     name_native_thread("ttftscope-handover")
+    uid = os.getuid()
     while True:
         try:
-            data, peer = sock.recvfrom(64)
+            data, anc, _flags, peer = sock.recvmsg(64, socket.CMSG_SPACE(_CRED.size))
         except OSError:  # closed
             return
-        if data != _ASK or not peer:
+        if data != _ASK or not peer or sender_uid(anc) != uid:
             continue
         try:
             ok = hand_over()
