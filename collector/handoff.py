@@ -7,7 +7,7 @@ vLLM's engine loop and event loop while it works. ``HandoffProcessor`` keeps the
 export thread and its guarantees (a bounded queue, never a blocked serving thread) but,
 where it used to encode and post, it pickles the plain records it took (their lazy
 ``(build, args)`` attributes unbuilt) and writes them to a pipe: the **export sidecar**, a
-small child process (``python -m ttftscope.collector.handoff``, at nice 10), builds, encodes and posts them with
+small process of its own (``python -m ttftscope.collector.handoff``, at nice 10), builds, encodes and posts them with
 the same code (``DeferredSpans.encode``, ``OtlpHttpPoster``), retries as before and keeps
 its own bounded queue.
 
