@@ -147,7 +147,7 @@ class Detached:
 
 class Sidecar:
     """The export process of one serving process, fed over a pipe (started on first use, or
-    at once: :meth:`start_soon`)."""
+    at once: ``HandoffProcessor(start_now=True)``)."""
 
     def __init__(self, role: str, timeout_s: float, settings: dict) -> None:
         self.role = role

@@ -28,13 +28,17 @@ runtime.at_exit(lambda: ours.add("open-run", T0, T0 + 1, {{}}))  # what an exit 
 for i in range(10):
     ours.add("held", T0 + i, T0 + i + 1, {{"i": i}})
 assert handover.listen()
+if {term_noted}:  # as vLLM's engine core: SIGTERM noted by a handler (it then shuts down), not fatal at once
+    import signal
+    signal.signal(signal.SIGTERM, lambda *a: None)
 print("ready", flush=True)
 time.sleep(600)
 """
 
 
-def _holder(url: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _HOLDER.format(tests=str(ROOT / "tests"), url=url)],
+def _holder(url: str, term_noted: bool = False) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER.format(tests=str(ROOT / "tests"), url=url,
+                                                               term_noted=term_noted)],
                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert p.stdout.readline().strip() == "ready"
     return p
@@ -90,5 +94,54 @@ def test_a_request_from_another_user_is_ignored():
             time.sleep(1.0)
             assert not sink.seen, "nothing handed over for another user's request"
             assert handover.ask([holder.pid], wait_s=10) == (1, 1), "its own user's is"
+        finally:
+            holder.kill()
+
+
+def test_vllms_own_shutdown_with_the_adapter_asks_first_once_and_goes_on(monkeypatch):
+    """The adapter around vLLM's real ``CoreEngineProcManager.shutdown``, its own code running
+    (an abort: SIGTERM, then its tree force-killed) on a real process standing in for an engine
+    core (vLLM's ``_SubprocessWrapper``: the rest of a manager is not needed to stop one). The
+    spans it held arrive, asked for before vLLM's SIGTERM and its SIGKILL of the tree right
+    after (the stand-in notes SIGTERM, as the engine core's handler does); vLLM calling shutdown
+    again does not ask again; and the wrapped method's own errors reach vLLM's caller as they
+    would without it."""
+    import threading
+    import weakref
+
+    from ttftscope.collector.vllm_plugin.runtime import RT
+    from ttftscope.schemas.vocabulary import ProcessRole
+    from vllm.v1.engine import utils
+    from vllm.v1.utils import _SubprocessWrapper
+
+    M = utils.CoreEngineProcManager
+    monkeypatch.setattr(M, "shutdown", M.shutdown)  # put back after the test
+    monkeypatch.setattr(RT, "role", ProcessRole.API_SERVER.value)
+    handover._install_handover()
+
+    asked: list[list[int]] = []
+    real_ask = handover.ask
+    monkeypatch.setattr(handover, "ask", lambda pids, *a, **kw: (asked.append(list(pids)), real_ask(pids, *a, **kw))[1])
+    with PostSink() as sink:
+        holder = _holder(sink.url, term_noted=True)
+        try:
+            m = object.__new__(M)  # what vLLM's shutdown reads of a manager
+            m.processes = [_SubprocessWrapper(holder, "EngineCore_DP0")]
+            m._request_shutdown_timeout = 0
+            m.manager_stopped = threading.Event()
+            m._finalizer = weakref.finalize(m, lambda: None)
+            m.shutdown(timeout=0)
+            assert holder.wait(10) == -signal.SIGKILL, "vLLM force-killed it at once"
+            m.shutdown(timeout=0)
+            deadline = time.monotonic() + 30
+            while not sink.seen and time.monotonic() < deadline:
+                time.sleep(0.1)
+            body = b"".join(b for _, b in sink.seen)
+            assert body.count(b"held") == 10 and body.count(b"open-run") == 1
+            assert asked == [[holder.pid]], "asked once, before vLLM's own shutdown"
+            broken = object.__new__(M)  # no processes attribute, nothing vLLM's code needs: its error is its own
+            with pytest.raises(AttributeError):
+                broken.shutdown(timeout=0)
+            m.processes.clear()  # (vLLM's wrapper let go now, not at interpreter exit)
         finally:
             holder.kill()

@@ -180,17 +180,16 @@ def _install_handover() -> None:
 
     @functools.wraps(orig)
     def shutdown(self, *a, **kw):
-        try:  # once (vLLM calls it again, from its finalizer and its client's clean-up)
-            if getattr(self, "_ttftscope_handed_over", False):
-                return orig(self, *a, **kw)
-            self._ttftscope_handed_over = True
-            t0 = time.monotonic()
-            asked, answered = ask(_trees(getattr(self, "processes", ())))
-            if asked:
-                log.info("ttftscope: %d of %d engine processes handed their spans over in %.0f ms", answered, asked,
-                         (time.monotonic() - t0) * 1e3)
-        except Exception:  # noqa: BLE001 - never let tracing hurt the server: vLLM's shutdown goes on
-            log.exception("ttftscope: asking the engine processes to hand their spans over failed")
+        if not getattr(self, "_ttftscope_handed_over", False):  # once (vLLM calls it again when it cleans up)
+            try:
+                self._ttftscope_handed_over = True
+                t0 = time.monotonic()
+                asked, answered = ask(_trees(getattr(self, "processes", ())))
+                if asked:
+                    log.info("ttftscope: %d of %d engine processes handed their spans over in %.0f ms", answered,
+                             asked, (time.monotonic() - t0) * 1e3)
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server: vLLM's shutdown goes on
+                log.exception("ttftscope: asking the engine processes to hand their spans over failed")
         return orig(self, *a, **kw)
 
     M.shutdown = shutdown
