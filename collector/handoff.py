@@ -12,7 +12,7 @@ the same code (``DeferredSpans.encode``, ``OtlpHttpPoster``), retries as before 
 its own bounded queue.
 
 Safety: the sidecar is started on the first export (an engine core's or worker's at once:
-``start_now``) and is nobody's child in vLLM's tree (:func:`detach`); one that dies is started again (at most
+``start_now``) and is not in vLLM's process tree (:func:`detach`); one that dies is started again (at most
 ``MAX_STARTS`` times, then the records are encoded and posted in-process as before, with
 one warning); a pipe that stays full for the export timeout (a stopped sidecar) counts the
 batch failed and starts a new sidecar. A record that cannot be pickled is encoded here, as
@@ -433,16 +433,19 @@ def _self_timing(out_dir: str, parent_role: str, proc: _SidecarProcessor, source
 
 
 def detach() -> None:
-    """Leave the serving process's tree and its session, first thing: the process the serving
-    process started forks the sidecar and exits at once, and the sidecar, a child of init (or
-    of a subreaper) in a session of its own, says its pid. vLLM force-kills its engine core's
-    whole process tree at a shutdown that aborts requests (``kill_process_tree``), and a
-    terminal's Ctrl-C or a process group's TERM reaches every process of the group: a sidecar
-    in either still held the last spans it had been handed (tests/test_vllm_plugin.py, a server
-    stopped right after its last request). It leaves when its pipe closes, as before."""
+    """Leave the serving process's tree, first thing: the process the serving process started
+    forks the sidecar and exits at once, and the sidecar, now a child of init (or of a
+    subreaper), says its pid. vLLM force-kills its engine core's whole process tree at a
+    shutdown that aborts requests (``kill_process_tree``): a sidecar in it died with the last
+    spans it had been handed (tests/test_vllm_plugin.py, a server stopped right after its last
+    request). It stays in vLLM's session and process group: a session of its own is an
+    autogroup of its own on Linux, where its nice 10 no longer yields to vLLM's threads but
+    weighs as much as all of them together (read in ``/proc/PID/autogroup`` after a truth test,
+    the delivery stall, failed once on a clean clone with the sidecar in a session of its own;
+    not proven to be that failure's cause). The group's signals it ignores (SIGINT, SIGTERM,
+    SIGHUP: set before this); it leaves when its pipe closes, as before."""
     if os.fork():
         os._exit(0)
-    os.setsid()
     os.write(1, b"%d\n" % os.getpid())
 
 
@@ -450,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     """The sidecar: frames from stdin until it closes, then everything posted, then exit."""
     argv = sys.argv[1:] if argv is None else argv
     parent_role, settings = argv[0], json.loads(argv[1])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # vLLM's Ctrl-C / group TERM: drain, leave at EOF
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # vLLM's Ctrl-C / group TERM / a closed
+        signal.signal(sig, signal.SIG_IGN)  # terminal: it drains and leaves at EOF
     detach()
     try:
         os.nice(NICE)
