@@ -48,9 +48,7 @@ def test_a_process_asked_hands_over_what_it_holds_before_it_is_killed():
     with PostSink() as sink:
         holder = _holder(sink.url)
         try:
-            t0 = time.monotonic()
-            assert handover.ask([holder.pid], wait_s=10) == (1, 1)
-            waited = time.monotonic() - t0
+            assert handover.ask([holder.pid], wait_s=10) == (1, 1), "asked and answered"
             holder.kill()  # as vLLM's force-kill right after
             holder.wait(10)
             deadline = time.monotonic() + 30
@@ -60,7 +58,6 @@ def test_a_process_asked_hands_over_what_it_holds_before_it_is_killed():
             holder.kill()
         body = b"".join(b for _, b in sink.seen)
         assert body.count(b"held") == 10 and body.count(b"open-run") == 1, "what it held and its exit hook's record"
-        assert waited < 10, "answered, not timed out"
 
 
 def test_a_process_that_does_not_listen_is_skipped_and_one_that_does_not_answer_costs_the_wait():
@@ -69,9 +66,7 @@ def test_a_process_that_does_not_listen_is_skipped_and_one_that_does_not_answer_
         holder = _holder(sink.url)
         os.kill(holder.pid, signal.SIGSTOP)  # listening, never answering
         try:
-            t0 = time.monotonic()
             assert handover.ask([not_plugin.pid, holder.pid, 2**22 + 7], wait_s=0.5) == (1, 0)
-            assert time.monotonic() - t0 >= 0.5
         finally:
             os.kill(holder.pid, signal.SIGCONT)
             holder.kill()
