@@ -93,11 +93,13 @@ def test_a_request_from_another_user_is_ignored():
             holder.kill()
 
 
-def test_vllms_own_shutdown_with_the_adapter_asks_first_once_and_goes_on(monkeypatch):
-    """The adapter around vLLM's real ``CoreEngineProcManager.shutdown``, its own code running
-    (an abort: SIGTERM, then its tree force-killed) on a real process standing in for an engine
-    core (vLLM's ``_SubprocessWrapper``: the rest of a manager is not needed to stop one). The
-    spans it held arrive, asked for before vLLM's SIGTERM and its SIGKILL of the tree right
+@pytest.mark.parametrize("manager", ["engine-cores", "api-servers"])
+def test_vllms_own_shutdown_with_the_adapter_asks_first_once_and_goes_on(monkeypatch, manager):
+    """The adapters around vLLM's real process managers' ``shutdown`` (``CoreEngineProcManager``,
+    the engine cores'; ``APIServerProcessManager``, a launcher's API servers'), vLLM's own code
+    running (an abort: SIGTERM, then the process force-killed) on a real process standing in for
+    one of its processes (vLLM's ``_SubprocessWrapper``: the rest of a manager is not needed to
+    stop one). The spans it held arrive, asked for before vLLM's SIGTERM and its SIGKILL right
     after (the stand-in notes SIGTERM, as the engine core's handler does); vLLM calling shutdown
     again does not ask again; and the wrapped method's own errors reach vLLM's caller as they
     would without it."""
@@ -106,13 +108,16 @@ def test_vllms_own_shutdown_with_the_adapter_asks_first_once_and_goes_on(monkeyp
 
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import ProcessRole
+    from vllm.v1 import utils as v1_utils
     from vllm.v1.engine import utils
     from vllm.v1.utils import _SubprocessWrapper
 
-    M = utils.CoreEngineProcManager
+    M, install, name = {"engine-cores": (utils.CoreEngineProcManager, handover._install_handover, "EngineCore_DP0"),
+                        "api-servers": (v1_utils.APIServerProcessManager, handover._install_handover_api_servers,
+                                        "ApiServer_0")}[manager]
     monkeypatch.setattr(M, "shutdown", M.shutdown)  # put back after the test
     monkeypatch.setattr(RT, "role", ProcessRole.API_SERVER.value)
-    handover._install_handover()
+    install()
 
     asked: list[list[int]] = []
     real_ask = handover.ask
@@ -121,9 +126,10 @@ def test_vllms_own_shutdown_with_the_adapter_asks_first_once_and_goes_on(monkeyp
         holder = _holder(sink.url, term_noted=True)
         try:
             m = object.__new__(M)  # what vLLM's shutdown reads of a manager
-            m.processes = [_SubprocessWrapper(holder, "EngineCore_DP0")]
+            m.processes = [_SubprocessWrapper(holder, name)]
             m._request_shutdown_timeout = 0
             m.manager_stopped = threading.Event()
+            m._listeners = []
             m._finalizer = weakref.finalize(m, lambda: None)
             m.shutdown(timeout=0)
             assert holder.wait(10) == -signal.SIGKILL, "vLLM force-killed it at once"

@@ -652,41 +652,68 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
         assert {"ttftscope.http", "ttftscope.deliver", "ttftscope.queue", "ttftscope.prefill"} <= spans, (rid, spans)
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-the-api-server"])
-def test_a_server_stopped_right_after_its_last_request_keeps_every_requests_engine_spans(tmp_path, how):
+#: how a server is stopped, and how it is laid out: (signal, to whom, VllmServer's arguments)
+_STOPS = {
+    "ctrl-c": ("SIGINT", "group", {}),
+    "sigterm-to-the-api-server": ("SIGTERM", "main", {}),
+    # vLLM's launcher of several API servers (a busy front end; ``--data-parallel-size`` starts
+    # as many by default): it stops its API servers first, then its engine cores, each at once
+    "sigterm-to-the-launcher-of-2-api-servers": ("SIGTERM", "main",
+                                                 {"serve": True, "extra": ["--api-server-count", "2"]}),
+    # TP = 2, eager: the workers time every all-reduce, and vLLM kills them with the engine core
+    "ctrl-c-tp2-eager": ("SIGINT", "group", {"tp": 2, "eager": True}),
+}
+
+
+@pytest.mark.parametrize("how", list(_STOPS))
+def test_a_server_stopped_right_after_its_last_request_keeps_every_requests_spans(tmp_path, how):
     """Users stop vLLM right after a benchmark: Ctrl-C in its terminal (SIGINT to the whole
-    process group) or a container's stop (SIGTERM to the API server alone). With vLLM's default
-    ``--shutdown-timeout 0`` it then SIGKILLs its engine core's whole process tree at once. Each
-    request the client was answered must keep its engine-core spans (intake, queue, prefill, in
-    the trace of vLLM's own ``llm_request``) and the engine its steps. Before the hand-over
-    (``vllm_plugin.handover``) and the detached sidecar: 0 engine-core spans of 7 requests."""
+    process group) or a container's stop (SIGTERM to the main process alone). With vLLM's default
+    ``--shutdown-timeout 0`` its process managers then SIGKILL what they started at once: the
+    engine core's whole tree, and a launcher's API servers. Each request the client was answered
+    must keep all its spans: the API server's (vLLM's own ``llm_request``, found by the id the
+    client got, and ours), the engine core's (intake, queue, prefill) and, TP = 2 eager, both
+    workers' all-reduces of the step that computed its prompt. Before the hand-over
+    (``vllm_plugin.handover``) and the detached sidecar: 0 engine-core spans of 7 requests; a
+    launcher's API servers handed nothing over until they did too: none of their spans arrived."""
     import os
     import signal
 
+    sig, to, kw = _STOPS[how]
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
-    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="stopped").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="stopped", **kw).start()
     try:
         answered = [srv.completion("warm up", 2)["id"]]
         answered += [srv.completion(prompt_of(40, 700 + i), 4)["id"] for i in range(6)]
         proc = srv.proc
-        if how == "ctrl-c":
-            os.killpg(proc.pid, signal.SIGINT)
+        if to == "group":
+            os.killpg(proc.pid, getattr(signal, sig))
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(getattr(signal, sig))
         proc.wait(60)
         log = srv.output()
     finally:
         srv.stop()
     col.wait_quiet()
     assert col.terminate() == 0
-    traces = {rid: _trace_of(col.store, rid) for rid in answered}  # vLLM's own llm_request, one each
     got = ttftscope_sql(col.store, """
-        SELECT TraceId AS t, countIf(SpanName = 'ttftscope.queue') AS queue,
-               countIf(SpanName = 'ttftscope.prefill') AS prefill, countIf(SpanName = 'ttftscope.intake') AS intake
+        SELECT TraceId AS t, countIf(SpanName = 'ttftscope.http') AS http,
+               countIf(SpanName = 'ttftscope.deliver') AS deliver, countIf(SpanName = 'ttftscope.intake') AS intake,
+               countIf(SpanName = 'ttftscope.queue') AS queue, countIf(SpanName = 'ttftscope.prefill') AS prefill,
+               anyIf(SpanAttributes['ttftscope.step'], SpanName = 'ttftscope.prefill') AS step
         FROM otel_traces GROUP BY TraceId""")
-    by_trace = {r["t"]: (int(r["intake"]), int(r["queue"]), int(r["prefill"])) for r in got}
-    assert {rid: by_trace.get(t) for rid, t in traces.items()} == {rid: (1, 1, 1) for rid in answered}
+    by_trace = {r["t"]: r for r in got}
+    traces = {rid: _trace_of(col.store, rid) for rid in answered}  # vLLM's own llm_request, one each
+    kinds = ("http", "deliver", "intake", "queue", "prefill")
+    assert {rid: tuple(int(by_trace[t][k]) if t in by_trace else 0 for k in kinds) for rid, t in traces.items()} \
+        == {rid: (1,) * len(kinds) for rid in answered}, kinds
     steps = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.step' "
                                      "AND toInt64OrZero(SpanAttributes['ttftscope.step.prefill_tokens']) > 0")
     assert int(steps[0]["n"]) >= len(answered), "every prompt's step"
+    if kw.get("tp") == 2:  # each prompt's step: an all-reduce span from each rank
+        ranks = ttftscope_sql(col.store, """
+            SELECT SpanAttributes['ttftscope.step'] AS step, uniqExact(SpanAttributes['ttftscope.rank']) AS ranks
+            FROM otel_traces WHERE SpanName = 'ttftscope.allreduce' GROUP BY step""")
+        per_step = {r["step"]: int(r["ranks"]) for r in ranks}
+        assert {rid: per_step.get(by_trace[t]["step"], 0) for rid, t in traces.items()} == {rid: 2 for rid in answered}
     assert "handed their spans over" in log

@@ -14,14 +14,19 @@ none of those requests' queue, prefill or step spans, while the API server's all
 
 Each engine core and worker listens on an abstract Unix datagram socket named by its pid (a
 thread blocked on it: nothing of it runs per request or step; requests from another user are
-ignored). The process that
-manages the engine cores (the API server, or the launcher of several) wraps vLLM's
-``CoreEngineProcManager.shutdown``: before vLLM's own code runs, it asks every live process of
-those trees to hand over and waits for their answers. Each answers once it has recorded what
-it held (its exit hooks: the open run of steps) and written its spans to its export sidecar,
-which outlives the tree (``collector.handoff.detach``) and posts them. vLLM's timeouts and its
-abort of requests are not touched; its shutdown starts later by the hand-over's time (a few ms
-a process; at most ``HANDOVER_WAIT_S`` when a process does not answer).
+ignored). The process that manages the engine cores (the API server, or the launcher of several)
+wraps vLLM's ``CoreEngineProcManager.shutdown``: before vLLM's own code runs, it asks every live
+process of those trees to hand over and waits for their answers. Each answers once it has
+recorded what it held (its exit hooks: the open run of steps) and written its spans to its
+export sidecar, which outlives the tree (``collector.handoff.detach``) and posts them. vLLM's
+timeouts and its abort of requests are not touched; its shutdown starts later by the
+hand-over's time (a few ms a process; at most ``HANDOVER_WAIT_S`` when a process does not answer).
+
+``handover-api-servers`` does the same for the API servers a launcher starts (``vllm serve
+--api-server-count N``, and ``--data-parallel-size N``, which starts as many): the launcher
+stops them first, through ``APIServerProcessManager.shutdown``, and force-kills them at once as well.
+Before it, none of their spans of the last two seconds arrived: a stopped server's short run
+lost every ``llm_request``, ``http`` and ``deliver`` span.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import time
 from ttftscope.schemas.vocabulary import ProcessRole
 
 from .adapters import ENGINE, FRONTEND, WORKER, Internal, adapter
-from .runtime import RT, log, run_exit_hooks
+from .runtime import RT, log, run_exit_hooks, stopped_by_a_manager
 
 #: how long the managing process waits for the answers, all together (seconds)
 HANDOVER_WAIT_S = 2.0
@@ -70,7 +75,8 @@ def hand_over(wait_s: float = HANDOVER_WAIT_S) -> bool:
 
 
 def listen() -> bool:
-    """Answer hand-over requests (engine core, worker): a daemon thread blocked on the socket."""
+    """Answer hand-over requests (engine core, worker, a launcher's API server): a daemon thread
+    blocked on the socket."""
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each request says who sent it
@@ -148,7 +154,10 @@ def ask(pids, wait_s: float = HANDOVER_WAIT_S) -> tuple[int, int]:
 
 
 def _trees(procs) -> list[int]:
-    """The live processes ``procs`` (vLLM's engine-core processes) and their descendants."""
+    """The live processes ``procs`` (a vLLM process manager's) and their descendants. Of each it
+    reads ``pid`` and ``is_alive()``: multiprocessing's process API, which vLLM's
+    ``_SubprocessWrapper`` mirrors (an object without them: the wrapper logs one error and vLLM's
+    shutdown goes on unchanged)."""
     import psutil
 
     out = []
@@ -164,6 +173,29 @@ def _trees(procs) -> list[int]:
     return out
 
 
+def _wrap_shutdown(manager: type, what: str) -> None:
+    """``manager.shutdown`` (one of vLLM's process managers) asks the trees of its processes to
+    hand over first, once per manager (vLLM calls it again when it cleans up), then runs vLLM's
+    own exactly once, whatever happened before it."""
+    orig = manager.shutdown
+
+    @functools.wraps(orig)
+    def shutdown(self, *a, **kw):
+        if not getattr(self, "_ttftscope_handed_over", False):
+            try:
+                self._ttftscope_handed_over = True
+                t0 = time.monotonic()
+                asked, answered = ask(_trees(getattr(self, "processes", ())))
+                if asked:
+                    log.info("ttftscope: %d of %d %s handed their spans over in %.0f ms", answered, asked, what,
+                             (time.monotonic() - t0) * 1e3)
+            except Exception:  # noqa: BLE001 - never let tracing hurt the server: vLLM's shutdown goes on
+                log.exception("ttftscope: asking the %s to hand their spans over failed", what)
+        return orig(self, *a, **kw)
+
+    manager.shutdown = shutdown
+
+
 @adapter("handover", roles=FRONTEND | ENGINE | WORKER,
          what="at a shutdown, the engine cores and workers hand their spans over before vLLM signals them "
               "(it force-kills their trees at once when requests are aborted)",
@@ -175,21 +207,18 @@ def _install_handover() -> None:
         return
     from vllm.v1.engine import utils
 
-    M = utils.CoreEngineProcManager
-    orig = M.shutdown
+    _wrap_shutdown(utils.CoreEngineProcManager, "engine processes")
 
-    @functools.wraps(orig)
-    def shutdown(self, *a, **kw):
-        if not getattr(self, "_ttftscope_handed_over", False):  # once (vLLM calls it again when it cleans up)
-            try:
-                self._ttftscope_handed_over = True
-                t0 = time.monotonic()
-                asked, answered = ask(_trees(getattr(self, "processes", ())))
-                if asked:
-                    log.info("ttftscope: %d of %d engine processes handed their spans over in %.0f ms", answered,
-                             asked, (time.monotonic() - t0) * 1e3)
-            except Exception:  # noqa: BLE001 - never let tracing hurt the server: vLLM's shutdown goes on
-                log.exception("ttftscope: asking the engine processes to hand their spans over failed")
-        return orig(self, *a, **kw)
 
-    M.shutdown = shutdown
+@adapter("handover-api-servers", roles=FRONTEND,
+         what="at a shutdown, the API servers a launcher started (--api-server-count) hand their spans over before "
+              "it signals them (it force-kills them at once when requests are aborted)",
+         internals=[Internal("vllm.v1.utils", "APIServerProcessManager.shutdown"),
+                    Internal("vllm.v1.utils", "APIServerProcessManager.processes", "attribute")])
+def _install_handover_api_servers() -> None:
+    if stopped_by_a_manager(RT.role):  # one of a launcher's API servers
+        listen()
+        return
+    from vllm.v1 import utils
+
+    _wrap_shutdown(utils.APIServerProcessManager, "API servers")

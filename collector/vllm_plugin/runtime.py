@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -161,6 +162,14 @@ def _poster(cfg: PluginConfig):
         return None
 
 
+def stopped_by_a_manager(role: str) -> bool:
+    """Whether one of vLLM's process managers stops this process at a shutdown (and, with vLLM's
+    default ``--shutdown-timeout 0``, force-kills it at once): an engine core, a worker, or one
+    of the API servers a launcher started (``vllm serve --api-server-count N``: ``ApiServer_<i>``)."""
+    return (role in (ProcessRole.ENGINE_CORE.value, ProcessRole.WORKER.value)
+            or multiprocessing.current_process().name.startswith("ApiServer"))
+
+
 def setup_otel(role: str) -> None:
     """OTLP/HTTP to the collector for this process; vLLM's own spans share the pipeline."""
     from opentelemetry import trace
@@ -190,9 +199,9 @@ def setup_otel(role: str) -> None:
     if cfg.export_process:  # built, encoded and posted by an export sidecar (collector.handoff)
         from ..handoff import HandoffProcessor
 
-        # an engine core's or worker's sidecar at once: at a shutdown they only hand over to it
+        # the sidecar of a process vLLM may force-kill at once: at a shutdown it only hands over to it
         proc = HandoffProcessor(exporter, role=role, endpoint=cfg.endpoint, timeout_s=cfg.export_timeout_s,
-                                start_now=role in (ProcessRole.ENGINE_CORE.value, ProcessRole.WORKER.value), **kw)
+                                start_now=stopped_by_a_manager(role), **kw)
     else:
         proc = BoundedBatchSpanProcessor(exporter, **kw)
     provider.add_span_processor(proc)
