@@ -65,6 +65,10 @@ READY_TIMEOUT_S = 30.0
 #: under vLLM's own 5-s grace for a child before it kills the child's whole tree (the sidecar,
 #: not in that tree, is not killed with it: a sidecar still posting then finishes on its own)
 EXIT_WAIT_S = 4.0
+#: how long a sidecar whose serving process has left keeps trying a collector that cannot take
+#: what it holds (down, restarting, asking to wait), before it gives those spans up (seconds;
+#: TTFTSCOPE_EXPORT_LINGER_S): it is outside vLLM's processes, so its wait holds nothing up
+LINGER_S = 30.0  # (PluginConfig.export_linger_s's default)
 #: the sidecar's niceness: its work is background and waits well, vLLM's threads do not
 #: (best effort; a host where vLLM spins on every core still gives it ~10 % of a core's share)
 NICE = 10
@@ -313,12 +317,12 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
     """The plugin's bounded processor, exporting through an export sidecar (module docstring)."""
 
     def __init__(self, exporter, *, role: str, endpoint: str, timeout_s: float, start_now: bool = False,
-                 **kw) -> None:
+                 linger_s: float = LINGER_S, **kw) -> None:
         """``start_now``: the sidecar is started at once, not by the first export (an engine
         core or worker asked to hand its spans over at a shutdown then only writes them to
-        it: ``vllm_plugin.handover``)."""
-        settings = {"endpoint": endpoint, "timeout_s": timeout_s, **{k: kw[k] for k in ("max_queue", "max_batch",
-                                                                                       "interval_s") if k in kw}}
+        it: ``vllm_plugin.handover``). ``linger_s``: the sidecar's ``LINGER_S``."""
+        settings = {"endpoint": endpoint, "timeout_s": timeout_s, "linger_s": linger_s,
+                    **{k: kw[k] for k in ("max_queue", "max_batch", "interval_s") if k in kw}}
         self.link = Sidecar(role, timeout_s, settings)
         self._pickle_failed = False
         self.start_now = start_now
@@ -393,6 +397,9 @@ class _SidecarProcessor(BoundedBatchSpanProcessor):
         self.raw: deque[bytes] = deque(maxlen=64)
         super().__init__(*a, **kw)
 
+    def held(self) -> int:
+        return super().held() + len(self.raw)
+
     def _drain_held(self, everything: bool = False) -> None:
         while self.raw:
             body = self.raw.popleft()
@@ -400,8 +407,13 @@ class _SidecarProcessor(BoundedBatchSpanProcessor):
                 ok = self.poster.export(body)
             except Exception:  # noqa: BLE001
                 ok = False
-            if not ok:
-                self.failed += 1
+            if ok:
+                continue
+            if getattr(self.poster, "unsent", False):  # the collector not reachable: kept, sent again
+                self.raw.appendleft(body)
+                self._hold_until = time.monotonic() + self.interval_s
+                return
+            self.failed += 1
         super()._drain_held(everything)
 
 
@@ -474,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = _SidecarProcessor(_NoExporter(), max_queue=max_queue, max_batch=max_batch,
                              interval_s=float(settings.get("interval_s", 2.0)),
                              poster=OtlpHttpPoster(settings["endpoint"], timeout=float(settings["timeout_s"])))
+    proc.linger_s = float(settings.get("linger_s", LINGER_S))  # its serving process gone, the collector down
     sources: dict[int, DeferredSpans] = {}
     if timing_dir := os.environ.get("TTFTSCOPE_SELF_TIMING"):
         threading.Thread(target=_self_timing, args=(timing_dir, parent_role, proc, sources),
@@ -517,8 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         proc._wake.set()
     proc.shutdown()
     dropped = proc.dropped + sum(s.dropped for s in sources.values()) + unknown
-    if dropped or proc.failed:
-        log.warning("exported %d spans; %d dropped, %d failed", proc.exported, dropped, proc.failed)
+    if dropped or proc.failed or proc.left_at_exit:
+        log.warning("exported %d spans; %d dropped, %d failed, %d never taken by the collector in %g s",
+                    proc.exported, dropped, proc.failed, proc.left_at_exit, proc.linger_s)
     return 0
 
 

@@ -292,6 +292,11 @@ MAX_RETRY_AFTER_S = 30.0
 class BoundedBatchSpanProcessor(SpanProcessor):
     #: how often encoding gives the GIL away (``GilYield``; None: ``YIELD_S``, 0: never)
     gil_yield_s: float | None = None
+    #: at shutdown, how long to keep trying while the collector cannot take what is left
+    #: (seconds; :meth:`shutdown`)
+    linger_s: float = 0.0
+    #: spans still held when :meth:`shutdown` gave up
+    left_at_exit: int = 0
 
     def __init__(self, exporter: SpanExporter, *, max_queue: int = 8192, max_batch: int = 512,
                  interval_s: float = 0.5, poster=None) -> None:
@@ -384,10 +389,14 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     def _refused(self) -> float | None:
         """Seconds to wait before sending again when the last export was refused with a status
         the OTLP/HTTP specification makes retryable (429, 502, 503, 504: nothing was stored,
-        so sending the same spans again cannot store them twice); None otherwise."""
+        so sending the same spans again cannot store them twice), or never reached the collector
+        (no connection: down or restarting; the next interval); None otherwise."""
+        client = self._client()
+        if getattr(client, "unsent", False):  # no connection to the collector (down, restarting): nothing stored
+            return self.interval_s
         if self._status not in RETRYABLE:
             return None
-        ra = getattr(self._client(), "retry_after", None)
+        ra = getattr(client, "retry_after", None)
         try:
             return min(max(float(ra), 0.0), MAX_RETRY_AFTER_S) if ra is not None else self.interval_s
         except ValueError:  # an HTTP date: the usual interval
@@ -458,8 +467,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             if now - self._last_warn > 30:
                 self._last_warn = now
                 dropped = self.dropped + sum(x.dropped for x in self.sources)
-                what = (f"the collector answered {self._status}; {n} spans kept to send again in {wait:g} s"
-                        if wait is not None else f"could not export {n} spans (collector down?)")
+                what = (f"could not export {n} spans" if wait is None else
+                        f"{'the collector is not reachable' if not self._status else f'the collector answered {self._status}'}"
+                        f"; {n} spans kept to send again in {wait:g} s")
                 log.warning("ttftscope: %s; dropped so far: %d queue-full, %d failed", what, dropped, self.failed)
             return  # back off until the next interval (or the collector's Retry-After)
 
@@ -475,13 +485,29 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._drain()
             self.cpu_s += time.thread_time() - t
 
+    def held(self) -> int:
+        """Spans waiting to be exported."""
+        return len(self._q) + sum(len(s) for s in self.sources)
+
     def shutdown(self) -> None:
+        """Export what is left; while some is left that the collector could not take (down,
+        restarting, asking to wait), try again each interval for ``linger_s`` (0 in vLLM's own
+        processes: one try, their exit is not held up; the export sidecar waits)."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._wake.set()
         self._t.join(timeout=5)
-        self._drain(everything=True)
+        deadline = time.monotonic() + self.linger_s
+        while True:
+            self._drain(everything=True)
+            if not self.held():
+                break
+            pause = max(self._hold_until - time.monotonic(), 0.0) or self.interval_s
+            if time.monotonic() + pause > deadline:
+                break
+            time.sleep(pause)
+        self.left_at_exit = self.held()
         try:
             if self.poster is not None:
                 self.poster.close()

@@ -266,7 +266,8 @@ class OtlpHttpPoster:
     """POST serialized OTLP requests to ``endpoint`` (http or https) on one kept-alive connection.
 
     ``export(body) -> bool``: True on 2xx. Never raises; a failed connection is reopened on the
-    next call (the processor backs off until its next interval)."""
+    next call (the processor backs off until its next interval). ``unsent`` after a False: no
+    connection could be made, so the body may be sent again (the processor keeps it)."""
 
     def __init__(self, endpoint: str, timeout: float = 2.0, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
@@ -287,6 +288,9 @@ class OtlpHttpPoster:
         self._conn: http.client.HTTPConnection | None = None
         self.last_status = 0  # of the last export; 0 when no answer came (refused, reset, timed out)
         self.retry_after: str | None = None  # the last answer's Retry-After header
+        #: the last export never reached the collector (no connection could be made: it is down or
+        #: restarting): nothing of it can have been stored, so it may be sent again
+        self.unsent = False
 
     def _connect(self) -> http.client.HTTPConnection:
         if self.https:
@@ -296,11 +300,18 @@ class OtlpHttpPoster:
     def export(self, body: bytes) -> bool:
         if self.gzip:
             body = gzip.compress(body, compresslevel=1)
-        self.last_status, self.retry_after = 0, None
+        self.last_status, self.retry_after, self.unsent = 0, None, False
         for _ in (0, 1):
             reused = self._conn is not None
             conn = self._conn or self._connect()
             self._conn = None
+            if not reused:
+                try:
+                    conn.connect()
+                except OSError:  # refused, unreachable, timed out connecting: nothing was sent
+                    conn.close()
+                    self.unsent = True
+                    return False
             try:
                 conn.request("POST", self.path, body, self.headers)
                 resp = conn.getresponse()

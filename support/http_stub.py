@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class PostSink:
     """``with PostSink(delay_s) as sink``: POSTs to ``sink.url`` land in ``sink.seen`` as
     ``(path, body)``, each once its answer is due (``delay_s`` later; set it any time).
-    ``keep_alive``: HTTP/1.1, connections kept between requests."""
+    ``keep_alive``: HTTP/1.1, connections kept between requests. ``port``: where (0: any free one)."""
 
-    def __init__(self, delay_s: float = 0.0, keep_alive: bool = False) -> None:
+    def __init__(self, delay_s: float = 0.0, keep_alive: bool = False, port: int = 0) -> None:
         self.delay_s = delay_s
         self.seen: list[tuple[str, bytes]] = []
         sink = self
@@ -32,7 +32,7 @@ class PostSink:
             def log_message(self, *a):
                 pass
 
-        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
         threading.Thread(target=self._srv.serve_forever, daemon=True).start()
 

@@ -391,3 +391,66 @@ def test_a_sidecar_outlives_its_serving_process_tree_killed_as_vllm_kills_it():
                 serving.kill()
         bodies = [body for _, body in sink.seen]
         assert len(bodies) == 2 and bodies[1].count(b"handed-over") == 20, [b.count(b"handed-over") for b in bodies]
+
+
+def _arrived(sink, marker: bytes) -> int:
+    return sum(body.count(marker) for _, body in list(sink.seen))
+
+
+@pytest.mark.parametrize("sidecar", [False, True], ids=["in-process", "sidecar"])
+def test_spans_exported_while_the_collector_is_down_arrive_once_it_is_back(sidecar):
+    """A collector restarting (or not up yet) refuses connections: nothing of a post reached it,
+    so its spans are kept (bounded by the queue) and sent again, once each, when it is back. They
+    were counted failed and let go: a batch lost every interval the collector was down."""
+    from support.http_stub import PostSink
+    from ttftscope.servers import free_port
+
+    port = free_port()
+    proc, tracer, ours, vllms = _pipeline(f"http://127.0.0.1:{port}", "restart", sidecar, interval_s=0.2, max_batch=4)
+    try:
+        for i in range(10):
+            ours.add("while-down", T0 + i, T0 + i + 1, {"i": i})
+        time.sleep(1.5)  # several intervals' tries, every connection refused
+        with PostSink(port=port) as sink:
+            deadline = time.monotonic() + 30
+            while _arrived(sink, b"while-down") < 10 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)  # (nothing more comes: once each)
+            assert _arrived(sink, b"while-down") == 10
+    finally:
+        proc.shutdown()
+
+
+def test_a_sidecar_at_exit_keeps_trying_a_collector_that_is_down_for_a_while(monkeypatch):
+    """The serving process leaves (vLLM stopped) while the collector is down: its sidecar, outside
+    vLLM's processes, keeps trying (``linger_s``) and posts once the collector is back. It left at
+    once, its spans lost, when the collector was not there at that moment (a restart of both)."""
+    from support.http_stub import PostSink
+    from ttftscope.servers import free_port
+
+    monkeypatch.setattr(handoff, "EXIT_WAIT_S", 0.2)
+    port = free_port()
+    proc, tracer, ours, vllms = _pipeline(f"http://127.0.0.1:{port}", "exit-down", True, interval_s=0.2)
+    ours.add("left-while-down", T0, T0 + 1, {"marker": 1})
+    proc.force_flush()  # the sidecar starts and takes the span
+    sidecar = proc.link.proc
+    proc.shutdown()
+    time.sleep(1.0)
+    assert sidecar.poll() is None, "the sidecar is still trying"
+    with PostSink(port=port) as sink:
+        assert sidecar.wait(30) == 0
+        assert _arrived(sink, b"left-while-down") == 1
+
+
+def test_a_sidecar_at_exit_gives_up_on_a_collector_that_stays_down():
+    """... for ``linger_s`` at most: a collector that never comes back costs the spans, not a
+    process left behind."""
+    from ttftscope.servers import free_port
+
+    port = free_port()
+    proc, tracer, ours, vllms = _pipeline(f"http://127.0.0.1:{port}", "never", True, interval_s=0.2, linger_s=1.0)
+    ours.add("never-posted", T0, T0 + 1, {"marker": 1})
+    proc.force_flush()
+    sidecar = proc.link.proc
+    proc.shutdown()
+    assert sidecar.wait(30) == 0

@@ -652,6 +652,43 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
         assert {"ttftscope.http", "ttftscope.deliver", "ttftscope.queue", "ttftscope.prefill"} <= spans, (rid, spans)
 
 
+def test_a_collector_restarted_while_vllm_serves_loses_none_of_its_spans(tmp_path):
+    """The collector is restarted (an upgrade, a new config) while vLLM serves: for the seconds it
+    is down every connection is refused, so nothing of a post reaches it and the plugin keeps those
+    spans to send again (``span_wire.OtlpHttpPoster.unsent``). Every request the client was
+    answered — before, during and after the restart — must have all its spans in the trace of
+    vLLM's own ``llm_request``, once each. Before: the batches tried while it was down were
+    counted failed and let go; the requests served then lost every span."""
+    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
+    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="restart").start()
+    try:
+        answered = [srv.completion("warm up", 2)["id"]]
+        answered += [srv.completion(prompt_of(40, 800 + i), 4)["id"] for i in range(3)]
+        col.wait_quiet()
+        assert col.terminate() == 0  # (SIGTERM: what it acknowledged is in its spool)
+        answered += [srv.completion(prompt_of(40, 810 + i), 4)["id"] for i in range(6)]
+        time.sleep(5)  # two export intervals and more with every connection refused
+        col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool", port=col.port).start()
+        answered += [srv.completion(prompt_of(40, 820 + i), 4)["id"] for i in range(3)]
+        col.wait_quiet()
+        log = srv.output()
+    finally:
+        srv.stop()
+    col.wait_quiet()
+    assert col.terminate() == 0
+    got = ttftscope_sql(col.store, """
+        SELECT TraceId AS t, countIf(SpanName = 'ttftscope.http') AS http,
+               countIf(SpanName = 'ttftscope.deliver') AS deliver, countIf(SpanName = 'ttftscope.intake') AS intake,
+               countIf(SpanName = 'ttftscope.queue') AS queue, countIf(SpanName = 'ttftscope.prefill') AS prefill
+        FROM otel_traces GROUP BY TraceId""")
+    by_trace = {r["t"]: r for r in got}
+    kinds = ("http", "deliver", "intake", "queue", "prefill")
+    traces = {rid: _trace_of(col.store, rid) for rid in answered}  # vLLM's own llm_request, one each
+    assert {rid: tuple(int(by_trace[t][k]) if t in by_trace else 0 for k in kinds) for rid, t in traces.items()} \
+        == {rid: (1,) * len(kinds) for rid in answered}, kinds
+    assert "not reachable" in log, "the plugin said why it kept the spans"
+
+
 #: how a server is stopped, and how it is laid out: (signal, to whom, VllmServer's arguments)
 _STOPS = {
     "ctrl-c": ("SIGINT", "group", {}),

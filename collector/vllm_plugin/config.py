@@ -90,6 +90,9 @@ class PluginConfig:
     #: TTFTSCOPE_EXPORT_PROCESS: hand the records to an export sidecar process that builds, encodes
     #: and posts them (``collector.handoff``), not the serving process's export thread
     export_process: bool = True
+    #: TTFTSCOPE_EXPORT_LINGER_S: how long an export sidecar whose vLLM process has left keeps
+    #: trying a collector that cannot take its spans (down, restarting) before it gives them up
+    export_linger_s: float = 30.0
     #: TTFTSCOPE_QUIET_STEPS: of the engine's quiet steps (decode only, nobody waiting, no prefill in
     #: progress: steps that cannot delay a first token), how many are observed one by one, in a
     #: row, once a second; between those samples the scheduler runs unwrapped (no Python of ours per
@@ -126,5 +129,6 @@ class PluginConfig:
             interval_s=_float(env, "OTEL_BSP_SCHEDULE_DELAY", DEFAULT_INTERVAL_MS, 10) / 1000,
             export_timeout_s=_float(env, "OTEL_BSP_EXPORT_TIMEOUT", 10_000, 100) / 1000,
             export_process=env.get("TTFTSCOPE_EXPORT_PROCESS", "1").strip().lower() not in _OFF,
+            export_linger_s=_float(env, "TTFTSCOPE_EXPORT_LINGER_S", cls.export_linger_s, 0, 3600),
             disabled=frozenset(x.strip() for x in env.get("TTFTSCOPE_DISABLE", "").split(",") if x.strip()),
         )

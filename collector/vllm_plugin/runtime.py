@@ -201,7 +201,7 @@ def setup_otel(role: str) -> None:
 
         # the sidecar of a process vLLM may force-kill at once: at a shutdown it only hands over to it
         proc = HandoffProcessor(exporter, role=role, endpoint=cfg.endpoint, timeout_s=cfg.export_timeout_s,
-                                start_now=stopped_by_a_manager(role), **kw)
+                                start_now=stopped_by_a_manager(role), linger_s=cfg.export_linger_s, **kw)
     else:
         proc = BoundedBatchSpanProcessor(exporter, **kw)
     provider.add_span_processor(proc)
