@@ -652,6 +652,24 @@ def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
         assert {"ttftscope.http", "ttftscope.deliver", "ttftscope.queue", "ttftscope.prefill"} <= spans, (rid, spans)
 
 
+#: the spans each request has once (ours, API server and engine core), in the trace of vLLM's llm_request
+_REQUEST_SPANS = ("http", "deliver", "intake", "queue", "prefill")
+
+
+def _spans_per_request(store, answered: list[str]) -> tuple[dict, dict]:
+    """For each request id the client was answered with: how many of each ``_REQUEST_SPANS`` its
+    trace (vLLM's own ``llm_request``'s, one each) has, and the step of its prefill span."""
+    got = ttftscope_sql(store, f"""
+        SELECT TraceId AS t, {", ".join(f"countIf(SpanName = 'ttftscope.{k}') AS {k}" for k in _REQUEST_SPANS)},
+               anyIf(SpanAttributes['ttftscope.step'], SpanName = 'ttftscope.prefill') AS step
+        FROM otel_traces GROUP BY TraceId""")
+    by_trace = {r["t"]: r for r in got}
+    traces = {rid: _trace_of(store, rid) for rid in answered}
+    counts = {rid: tuple(int(by_trace[t][k]) if t in by_trace else 0 for k in _REQUEST_SPANS)
+              for rid, t in traces.items()}
+    return counts, {rid: by_trace[t]["step"] if t in by_trace else None for rid, t in traces.items()}
+
+
 def test_a_collector_restarted_while_vllm_serves_loses_none_of_its_spans(tmp_path):
     """The collector is restarted (an upgrade, a new config) while vLLM serves: for the seconds it
     is down every connection is refused, so nothing of a post reaches it and the plugin keeps those
@@ -676,16 +694,8 @@ def test_a_collector_restarted_while_vllm_serves_loses_none_of_its_spans(tmp_pat
         srv.stop()
     col.wait_quiet()
     assert col.terminate() == 0
-    got = ttftscope_sql(col.store, """
-        SELECT TraceId AS t, countIf(SpanName = 'ttftscope.http') AS http,
-               countIf(SpanName = 'ttftscope.deliver') AS deliver, countIf(SpanName = 'ttftscope.intake') AS intake,
-               countIf(SpanName = 'ttftscope.queue') AS queue, countIf(SpanName = 'ttftscope.prefill') AS prefill
-        FROM otel_traces GROUP BY TraceId""")
-    by_trace = {r["t"]: r for r in got}
-    kinds = ("http", "deliver", "intake", "queue", "prefill")
-    traces = {rid: _trace_of(col.store, rid) for rid in answered}  # vLLM's own llm_request, one each
-    assert {rid: tuple(int(by_trace[t][k]) if t in by_trace else 0 for k in kinds) for rid, t in traces.items()} \
-        == {rid: (1,) * len(kinds) for rid in answered}, kinds
+    counts, _ = _spans_per_request(col.store, answered)
+    assert counts == {rid: (1,) * len(_REQUEST_SPANS) for rid in answered}, _REQUEST_SPANS
     assert "not reachable" in log, "the plugin said why it kept the spans"
 
 
@@ -733,17 +743,8 @@ def test_a_server_stopped_right_after_its_last_request_keeps_every_requests_span
         srv.stop()
     col.wait_quiet()
     assert col.terminate() == 0
-    got = ttftscope_sql(col.store, """
-        SELECT TraceId AS t, countIf(SpanName = 'ttftscope.http') AS http,
-               countIf(SpanName = 'ttftscope.deliver') AS deliver, countIf(SpanName = 'ttftscope.intake') AS intake,
-               countIf(SpanName = 'ttftscope.queue') AS queue, countIf(SpanName = 'ttftscope.prefill') AS prefill,
-               anyIf(SpanAttributes['ttftscope.step'], SpanName = 'ttftscope.prefill') AS step
-        FROM otel_traces GROUP BY TraceId""")
-    by_trace = {r["t"]: r for r in got}
-    traces = {rid: _trace_of(col.store, rid) for rid in answered}  # vLLM's own llm_request, one each
-    kinds = ("http", "deliver", "intake", "queue", "prefill")
-    assert {rid: tuple(int(by_trace[t][k]) if t in by_trace else 0 for k in kinds) for rid, t in traces.items()} \
-        == {rid: (1,) * len(kinds) for rid in answered}, kinds
+    counts, prefill_step = _spans_per_request(col.store, answered)
+    assert counts == {rid: (1,) * len(_REQUEST_SPANS) for rid in answered}, _REQUEST_SPANS
     steps = ttftscope_sql(col.store, "SELECT count() AS n FROM otel_traces WHERE SpanName = 'ttftscope.step' "
                                      "AND toInt64OrZero(SpanAttributes['ttftscope.step.prefill_tokens']) > 0")
     assert int(steps[0]["n"]) >= len(answered), "every prompt's step"
@@ -752,5 +753,5 @@ def test_a_server_stopped_right_after_its_last_request_keeps_every_requests_span
             SELECT SpanAttributes['ttftscope.step'] AS step, uniqExact(SpanAttributes['ttftscope.rank']) AS ranks
             FROM otel_traces WHERE SpanName = 'ttftscope.allreduce' GROUP BY step""")
         per_step = {r["step"]: int(r["ranks"]) for r in ranks}
-        assert {rid: per_step.get(by_trace[t]["step"], 0) for rid, t in traces.items()} == {rid: 2 for rid in answered}
+        assert {rid: per_step.get(step, 0) for rid, step in prefill_step.items()} == {rid: 2 for rid in answered}
     assert "handed their spans over" in log
