@@ -670,23 +670,30 @@ def _spans_per_request(store, answered: list[str]) -> tuple[dict, dict]:
     return counts, {rid: by_trace[t]["step"] if t in by_trace else None for rid, t in traces.items()}
 
 
-def test_a_collector_restarted_while_vllm_serves_loses_none_of_its_spans(tmp_path):
-    """The collector is restarted (an upgrade, a new config) while vLLM serves: for the seconds it
-    is down every connection is refused, so nothing of a post reaches it and the plugin keeps those
-    spans to send again (``span_wire.OtlpHttpPoster.unsent``). Every request the client was
-    answered — before, during and after the restart — must have all its spans in the trace of
-    vLLM's own ``llm_request``, once each. Before: the batches tried while it was down were
-    counted failed and let go; the requests served then lost every span."""
-    col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
-    srv = VllmServer(tmp_path, col.url + "/v1/traces", run="restart").start()
+def test_a_collector_up_after_vllm_and_restarted_while_it_serves_loses_none_of_its_spans(tmp_path):
+    """The collector comes up after vLLM (both started at once, as a compose file does; the
+    collector's start takes seconds) and is later restarted (an upgrade, a new config) while vLLM
+    serves. While it is down every connection is refused, so nothing of a post reaches it and the
+    plugin keeps those spans to send again (``span_wire.OtlpHttpPoster.unsent``). Every process's
+    cold start must arrive, and every request the client was answered — before, during and after
+    the restart — must have all its spans in the trace of vLLM's own ``llm_request``, once each.
+    Before: the batches tried while it was down were counted failed and let go; the requests
+    served then lost every span."""
+    from ttftscope.servers import free_port
+
+    port = free_port()
+    srv = VllmServer(tmp_path, f"http://127.0.0.1:{port}/v1/traces", run="restart").start()  # nothing listens yet
     try:
         answered = [srv.completion("warm up", 2)["id"]]
-        answered += [srv.completion(prompt_of(40, 800 + i), 4)["id"] for i in range(3)]
+        answered += [srv.completion(prompt_of(40, 800 + i), 4)["id"] for i in range(2)]
+        time.sleep(3)  # an export interval and more with every connection refused
+        col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool", port=port).start()
+        answered += [srv.completion(prompt_of(40, 805 + i), 4)["id"] for i in range(2)]
         col.wait_quiet()
         assert col.terminate() == 0  # (SIGTERM: what it acknowledged is in its spool)
         answered += [srv.completion(prompt_of(40, 810 + i), 4)["id"] for i in range(6)]
         time.sleep(5)  # two export intervals and more with every connection refused
-        col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool", port=col.port).start()
+        col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool", port=port).start()
         answered += [srv.completion(prompt_of(40, 820 + i), 4)["id"] for i in range(3)]
         col.wait_quiet()
         log = srv.output()
@@ -696,6 +703,12 @@ def test_a_collector_restarted_while_vllm_serves_loses_none_of_its_spans(tmp_pat
     assert col.terminate() == 0
     counts, _ = _spans_per_request(col.store, answered)
     assert counts == {rid: (1,) * len(_REQUEST_SPANS) for rid in answered}, _REQUEST_SPANS
+    cold = ttftscope_sql(col.store, "SELECT SpanName AS name, ResourceAttributes['ttftscope.process.role'] AS role, "
+                                    "count() AS n FROM otel_traces WHERE SpanName IN ('ttftscope.process', "
+                                    "'API server setup') GROUP BY name, role")  # (ours; vLLM's own)
+    assert {(r["name"], r["role"]): int(r["n"]) for r in cold} == {
+        ("ttftscope.process", "engine_core"): 1, ("ttftscope.process", "worker"): 1,
+        ("API server setup", "api_server"): 1}, cold
     assert "not reachable" in log, "the plugin said why it kept the spans"
 
 
