@@ -340,6 +340,8 @@ def test_config_honours_the_standard_otel_variables():
     assert PluginConfig.from_env({"TTFTSCOPE_SAMPLE_RATIO": "junk"}).sample_ratio == 1.0
     assert not PluginConfig.from_env({"TTFTSCOPE_ENABLED": "off"}).enabled
     assert PluginConfig.from_env({"TTFTSCOPE_DISABLE": "output, scheduler"}).disabled == {"output", "scheduler"}
+    linger = [PluginConfig.from_env({"TTFTSCOPE_EXPORT_LINGER_S": v}).export_linger_s for v in ("5", "-1", "junk")]
+    assert linger == [5.0, 0.0, PluginConfig().export_linger_s], linger  # (a negative wait: none; junk: the default)
     assert PluginConfig.from_env({}).export_process, "the export sidecar is the default"
     assert not PluginConfig.from_env({"TTFTSCOPE_EXPORT_PROCESS": "0"}).export_process
     quiet = [PluginConfig.from_env(e).quiet_steps for e in ({}, {"TTFTSCOPE_QUIET_STEPS": "all"},
