@@ -442,9 +442,9 @@ def test_a_sidecar_at_exit_keeps_trying_a_collector_that_is_down_for_a_while(mon
         assert _arrived(sink, b"left-while-down") == 1
 
 
-def test_a_sidecar_at_exit_gives_up_on_a_collector_that_stays_down():
+def test_a_sidecar_at_exit_gives_up_on_a_collector_that_stays_down(capfd):
     """... for ``linger_s`` at most: a collector that never comes back costs the spans, not a
-    process left behind."""
+    process left behind, and the sidecar says how many and after how long."""
     from ttftscope.servers import free_port
 
     port = free_port()
@@ -454,3 +454,4 @@ def test_a_sidecar_at_exit_gives_up_on_a_collector_that_stays_down():
     sidecar = proc.link.proc
     proc.shutdown()
     assert sidecar.wait(30) == 0
+    assert "1 never taken by the collector in 1 s" in capfd.readouterr().err  # its setting, not the default 30
