@@ -47,10 +47,13 @@ import time
 from collections import deque
 
 from .otel_setup import (
+    READ_OUT,
+    STEP_LOG,
     BoundedBatchSpanProcessor,
     DeferredSpans,
     GilYield,
     name_native_thread,
+    read_out,
     sdk_body,
 )
 
@@ -98,11 +101,32 @@ def _dispatch_table() -> dict:
     return table
 
 
+#: class -> ``reduce(obj)``: a serving process's object handed over as the plain values the
+#: sidecar needs (``__reduce__``'s form), registered by the adapters whose records hold them
+#: (``vllm_plugin.engine``: vLLM's Request, PrefillStats and scheduler, in the logged steps);
+#: read while the frame is written, on the export thread, never on vLLM's threads
+PLAIN: dict = {}
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):  # only for objects not of pickle's own atomic types
+        if PLAIN:
+            for cls, reduce in PLAIN.items():
+                if isinstance(obj, cls):
+                    return reduce(obj)
+        return NotImplemented
+
+
+def plain_as(cls: type, reduce) -> None:
+    """Hand ``cls``'s instances (its subclasses' too) over as ``reduce(obj)`` says."""
+    PLAIN[cls] = reduce
+
+
 def dump_frame(msg) -> memoryview:
     """One frame: the length, then the pickle of ``msg``."""
     buf = io.BytesIO()
     buf.write(b"\0\0\0\0")
-    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    p = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     p.dispatch_table = _TABLE
     p.dump(msg)
     view = buf.getbuffer()
@@ -342,6 +366,8 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
 
     def _post(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
         if not self.link.ensure():
+            for src, records in taken:  # (in place: what is put back on a refusal is sorted out already)
+                records[:] = read_out(src, records)
             return super()._post(sdk_spans, taken)  # in-process, through the poster (``_client``)
         tick = GilYield()
         c0 = time.thread_time()
@@ -365,6 +391,8 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
                 log.exception("ttftscope: records could not be handed to the export sidecar; encoding them here")
             from .span_wire import request_entry
 
+            for src, records in taken:
+                records[:] = read_out(src, records)
             raw += b"".join(request_entry(src.encode(records, tick)) for src, records in taken)
             news = []
             frame = dump_frame(([], [], raw))
@@ -522,12 +550,25 @@ def main(argv: list[str] | None = None) -> int:
             if src is None:
                 unknown += len(records)
                 continue
+            try:
+                records = read_out(src, records)  # an engine core's logged steps, sorted out here
+            except Exception:  # noqa: BLE001 - they are lost, not the sidecar
+                bad += 1
+                if bad == 1:
+                    log.exception("logged steps could not be sorted out; their spans are lost")
+                records = [r for r in records if r[0] != STEP_LOG]
             src.extend(records)
         if raw:
             if len(proc.raw) == proc.raw.maxlen:  # (the oldest goes)
                 proc.dropped += 1
             proc.raw.append(raw)
         proc._wake.set()
+    sorter = READ_OUT.get(STEP_LOG)
+    if sorter is not None:  # the serving process is gone: its open runs of decode steps end here
+        try:
+            sorter.finish()
+        except Exception:  # noqa: BLE001
+            log.exception("the last logged steps could not be sorted out")
     proc.shutdown()
     dropped = proc.dropped + sum(s.dropped for s in sources.values()) + unknown
     if dropped or proc.failed or proc.left_at_exit:

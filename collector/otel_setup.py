@@ -84,6 +84,30 @@ def attributes(attrs) -> dict:
     return attrs[0](*attrs[1]) if attrs.__class__ is tuple else attrs
 
 
+#: the name of a record that is not a span but an engine core's logged steps as they are
+#: (``DeferredSpans.steps``): sorted out into spans where the records are read
+#: (:func:`read_out`), in the export sidecar as it receives them
+STEP_LOG = "ttftscope.step_log"
+
+#: what sorts ``STEP_LOG`` records out (``sort(src, records) -> records``, the spans' records
+#: in their place), registered by the adapter that makes them (``vllm_plugin.engine``)
+READ_OUT: dict = {}
+
+
+def read_out(src, records: list) -> list:
+    """``records`` with the ``STEP_LOG`` ones sorted out into spans' records: once, where they
+    are read (the export sidecar as a frame arrives; a serving process that has no sidecar
+    before it encodes), never again on a retry. Without a sorter they are dropped, counted."""
+    if not any(r[0] == STEP_LOG for r in records):
+        return records
+    sort = READ_OUT.get(STEP_LOG)
+    if sort is not None:
+        return sort(src, records)
+    left = [r for r in records if r[0] != STEP_LOG]
+    src.dropped += len(records) - len(left)
+    return left
+
+
 def expand(records) -> list[tuple]:
     """Deferred records as the spans they stand for, attributes built: a record named None is
     a group whose ``(build, args)`` makes several spans' records at once."""
@@ -191,6 +215,19 @@ class DeferredSpans:
         q.append((None, 0.0, 0.0, (build, args), None))
         if len(q) == self.max_batch and self.wake is not None:
             self.wake()
+
+    def steps(self, engine: str, items: list, now: float, final: bool = False) -> None:
+        """An engine core's logged steps as the engine loop left them (one record), sorted out
+        into spans where they are read (:func:`read_out`): the export sidecar does it, so the
+        serving process only hands them over. ``now``: when they were taken (an open run of
+        decode steps ends there once it has been idle long enough); ``final``: the last ones (at
+        exit: the open run ends). Not while the queue is half full (the export backed up): then
+        they are dropped, counted once."""
+        q = self._q
+        if len(q) * 2 >= self.max_queue:
+            self.dropped += 1
+            return
+        q.append((STEP_LOG, now, now, (engine, items, now, final), None))
 
     def _expanded(self, records: list[tuple], tick=None) -> list[tuple]:
         """:func:`expand`, one record at a time: a record whose attributes cannot be built is

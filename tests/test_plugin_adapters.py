@@ -460,17 +460,23 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     assert alone[Attr.STEP] == 11 and alone[Attr.STEP_PREFILL_TOKENS] == 100 and alone[Attr.STEP_DECODE_TOKENS] == 1
 
 
-def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch):
+@pytest.mark.parametrize("where", ["in-vllms-process", "in-the-export-sidecar"])
+def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     """Unit level (real vLLM drives it in test_vllm_plugin.py and the truth tests): on the engine
     loop the hooks keep references only — no request's prompt, trace headers or counts are read
     there —, and the step-flush thread sorts out each step's prompt tokens from the output's own
     snapshots, as vLLM's scheduler leaves them: a 2,049-token prompt in three chunks (1,024,
     1,024, then a single token beside a decode), and a short prompt admitted with the second
     chunk that finishes in that step (vLLM frees it and takes its prefill stats before the
-    hook runs) with 16 of its tokens from the prefix cache."""
+    hook runs) with 16 of its tokens from the prefix cache. ``in-the-export-sidecar``: the same
+    steps handed over as the step-flush thread does where there is a sidecar (one record a
+    second, written into a real frame with vLLM's objects as their plain values, read back), and
+    sorted out there: the same spans."""
+    import pickle
     from types import SimpleNamespace as NS
 
-    from ttftscope.collector.otel_setup import DeferredSpans, expand
+    from ttftscope.collector import handoff
+    from ttftscope.collector.otel_setup import READ_OUT, STEP_LOG, DeferredSpans, expand, read_out
     from ttftscope.collector.vllm_plugin import engine as E
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import Attr, SpanName
@@ -484,7 +490,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch):
         def __init__(self, rid: str, prompt: int, cached: int) -> None:
             self.request_id, self.external_req_id, self.num_computed_tokens = rid, rid[:-9], cached
             self._tp, self._toks = tp, list(range(prompt))
-            self.prefill_stats = NS(num_prompt_tokens=prompt, num_cached_tokens=cached)
+            self.prefill_stats = Stats(num_prompt_tokens=prompt, num_cached_tokens=cached)
 
         def _read(self, what: str, value):
             if on_loop[0]:
@@ -496,8 +502,20 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch):
         num_prompt_tokens = property(lambda self: self._read("num_prompt_tokens", len(self._toks)))
         priority = property(lambda self: self._read("priority", 0))
 
-    sched = NS(requests={}, running=[], waiting=[], max_num_running_reqs=8, block_size=16, _inflight_prefills=set())
+    class Stats(NS):  # vLLM's PrefillStats
+        pass
+
+    class Sched(NS):  # vLLM's scheduler
+        pass
+
+    sched = Sched(requests={}, running=[], waiting=[], max_num_running_reqs=8, block_size=16,
+                  _inflight_prefills=set())
     st = E.EngineState()
+    if where == "in-the-export-sidecar":  # as the scheduler adapter registers vLLM's classes
+        monkeypatch.setattr(handoff, "PLAIN", {Req: E._plain_request, Stats: E._plain_stats,
+                                               Sched: E._plain_scheduler})
+        monkeypatch.setattr(RT, "processor", NS(link=NS(broken=False)))
+        assert E.ships()
 
     def step(t: float, tokens: dict, new=(), finished=()) -> None:
         """vLLM's schedule(): snapshots, then the requests advanced; update_from_output() frees
@@ -543,7 +561,23 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch):
     step(1.7, {"late-0-deadbeef": 20, "dec-0-deadbeef": 1}, new=[late])
     assert touched == [], "no request's own fields read on the engine loop"
     assert len(q) == 0, "nothing built on the loop: the steps wait in the log"
-    E.flush_decode_run(st)
+    if where == "in-vllms-process":
+        E.flush_decode_run(st)
+    else:
+        E.ship_steps(st, final=True)
+        shipped = q.take(len(q))
+        assert len(shipped) == 1 and not st.log, "the whole log handed over as one record"
+        frame = handoff.dump_frame(([], [(0, shipped)], b""))  # the export thread writes the frame...
+        assert touched == [], "nothing of a request read as the log is handed over, before the frame is written"
+        (_, ((_, got),), _) = pickle.loads(bytes(frame[4:]))  # ... the sidecar reads it
+        assert {type(x).__name__ for r in got for it in r[3][1] if it and len(it) == 10
+                for x in (it[5], *(a[1] for a in it[0][3] or ()))} <= {"PlainScheduler", "PlainRequest"}
+        monkeypatch.setattr(RT, "deferred", None)  # (the sidecar's: no span source of its own)
+        sorter = E.StepSorter()
+        monkeypatch.setitem(READ_OUT, STEP_LOG, sorter)
+        q = DeferredSpans(tracer=None)
+        assert read_out(q, got) == [], "every record of the log sorted out into spans"
+        st = sorter.engines[st.engine][0]
     spans = [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
     pre = sorted((s[3][Attr.REQUEST_ID], s[3][Attr.CHUNK], s[3][Attr.STEP], s[3][Attr.TOKENS_COMPUTED],
                   s[3][Attr.TOKENS_CACHED]) for s in spans if s[0] == SpanName.PREFILL)

@@ -7,9 +7,11 @@ token) are sampled: after ``TTFTSCOPE_QUIET_STEPS`` of them the scheduler *rests
 methods bound on the instance shadow the wrappers: no Python of ours per step) until a request
 arrives or the next second's sample; the stretch not watched is one ``unobserved`` span.
 
-On the engine loop the hooks keep plain numbers and references only; the plugin's step-flush
-thread (every second, ``FOLD_EVERY_S``) sorts the logged steps out — a step's prompt chunks, cached tokens, intake
-and queue from the scheduler output's own snapshots — and folds decode steps into runs."""
+On the engine loop the hooks keep plain numbers and references only; the logged steps are
+sorted out — a step's prompt chunks, cached tokens, intake and queue from the scheduler output's
+own snapshots — and decode steps folded into runs off the loop: in the export sidecar, to which
+the plugin's step-flush thread hands the log every second (``FOLD_EVERY_S``; :class:`StepSorter`),
+or by that thread itself where there is no sidecar."""
 
 from __future__ import annotations
 
@@ -211,6 +213,9 @@ WorkStep = tuple
 #: a prefill in progress with no chunk for this many steps, its request gone from vLLM: let go
 STALE_PREFILL_STEPS = 1024
 
+#: requests a sorter of handed-over steps remembers as queued already (:attr:`EngineState.seen`)
+SEEN_MAX = 65_536
+
 #: steps logged between folds at most (a second of watched steps): a bound, never reached while
 #: the step-flush thread runs
 STEP_LOG_MAX = 16_384
@@ -259,6 +264,11 @@ class EngineState:
     rested: object = None  # the scheduler resting (its shadowing attributes are removed on waking)
     gap_from: float = 0.0  # when the last observed step closed, while an unobserved stretch is open
     rest_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: where the steps are sorted out from handed-over copies (the export sidecar: :class:`StepSorter`),
+    #: the requests whose queue span was made (a copy's first-schedule mark is not cleared in vLLM's
+    #: process): request id -> None, the oldest let go past ``SEEN_MAX``; None in vLLM's process
+    seen: dict | None = None
+    shipped: bool = False  # the last hand-over carried steps (an empty one follows, once: the engine went idle)
 
 
 ST = EngineState()
@@ -294,7 +304,7 @@ ST = EngineState()
 def _install_scheduler() -> None:
     from vllm.v1.core.sched import scheduler as sched
 
-    def flush_idle() -> None:  # sorts out and folds the logged steps; a run ends when the engine goes idle, too
+    def flush_idle() -> None:  # hands the logged steps over (or sorts them out); a run ends when the engine goes idle
         from ..otel_setup import name_native_thread
 
         name_native_thread("ttftscope-flush")
@@ -305,7 +315,10 @@ def _install_scheduler() -> None:
             c0 = time.thread_time() if timed else 0.0
             try:
                 sample_quiet(ST, RT.config.quiet_steps)
-                flush_decode_run(ST, idle_s=RUN_IDLE_S)
+                if ships():
+                    ship_steps(ST)
+                else:
+                    flush_decode_run(ST, idle_s=RUN_IDLE_S)
             except Exception:  # noqa: BLE001 - keep folding (the log is bounded either way)
                 if not failed:
                     failed = True
@@ -322,7 +335,8 @@ def _install_scheduler() -> None:
     if quiet is not None:
         ST.rest, ST.quiet_left = (orig_schedule, orig_update), quiet
     threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
-    at_exit(lambda: flush_decode_run(ST))
+    at_exit(lambda: ship_steps(ST, final=True) if ships() else flush_decode_run(ST))
+    _hand_over_as_plain(sched.Scheduler)
 
     floor = timing_floor if RT.config.self_timing_dir else None
     live = [True]  # the step hooks (hot: no guard of their own): off, logged once, if one raises
@@ -535,6 +549,13 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
             continue
         external = getattr(req, "external_req_id", None)
         q = getattr(req, QUEUED, None)
+        if q is not None and st.seen is not None:  # a copy handed over: its first schedule, once
+            if req_id in st.seen:
+                q = None
+            else:
+                st.seen[req_id] = None
+                if len(st.seen) > SEEN_MAX:
+                    del st.seen[next(iter(st.seen))]
         if q is not None:  # its first schedule
             setattr(req, QUEUED, None)
             queued.append((q, getattr(req, RECEIVED, None), req_id, external, req.priority, th))
@@ -824,13 +845,14 @@ def fold_steps(st: EngineState) -> None:
     st.decode_run = r
 
 
-def flush_decode_run(st: EngineState, idle_s: float | None = None) -> None:
+def flush_decode_run(st: EngineState, idle_s: float | None = None, now: float | None = None) -> None:
     """Fold what the engine loop logged, then end the open run: always, or (``idle_s``) only
-    when its last step closed that long ago (a run ends when the engine goes idle, too)."""
+    when its last step closed that long before ``now`` (default: the clock; a run ends when the
+    engine goes idle, too)."""
     with st.runs_lock:
         fold_steps(st)
         r = st.decode_run
-        if r is None or (idle_s is not None and time.time() - r.end < idle_s):
+        if r is None or (idle_s is not None and (time.time() if now is None else now) - r.end < idle_s):
             return
         st.decode_run = None
     _emit_run(r, st.engine)
@@ -851,3 +873,151 @@ def _run_attrs(r: DecodeRun | tuple, engine: str) -> dict:
         attrs[Attr.MAX_NUM_SEQS] = r.seats
         attrs[Attr.STEP_FULL] = r.full
     return attrs
+
+
+# --- the logged steps sorted out in the export sidecar ------------------------------------------
+# Sorting the logged steps out and folding decode steps into runs cost the engine core's
+# step-flush thread more CPU than any hook (bench/overhead: ~33 us a request, against ~39 for
+# all the engine core's hooks together), in vLLM's process and under its GIL. Where the export
+# goes through a sidecar (collector.handoff) the thread only hands the log over as it is, once a
+# second: vLLM's objects in it (its Request, PrefillStats, scheduler) are written as the plain
+# values the sorting reads (``plain_as``: on the export thread, as the frame is written) and the
+# sidecar runs the same sorting (:class:`StepSorter`) as the frames arrive.
+
+
+def ships() -> bool:
+    """Whether this process's spans leave through an export sidecar (it is not known to be broken):
+    then the logged steps are handed over as they are (:func:`ship_steps`), else sorted out here."""
+    link = getattr(RT.processor, "link", None)
+    return link is not None and not link.broken
+
+
+def ship_steps(st: EngineState, final: bool = False) -> None:
+    """The step-flush thread's work where there is a sidecar: the steps logged since the last
+    time, as one record (``DeferredSpans.steps``), and once an empty one when the engine went
+    idle (the open run's end is decided where the steps are sorted out, as here, from when they
+    were taken). ``final``: at exit, the open run ends."""
+    log = st.log
+    items = [log.popleft() for _ in range(len(log))]
+    if not items and not st.shipped and not final:
+        return
+    st.shipped = bool(items)
+    d = RT.deferred
+    if d is not None:
+        d.steps(st.engine, items, time.time(), final)
+
+
+class PlainRequest:
+    """What the sorting reads of vLLM's ``Request``, handed over (``_plain_request``)."""
+
+    __slots__ = ("trace_headers", "external_req_id", QUEUED, RECEIVED, "priority", "num_prompt_tokens",
+                 "prompt_token_ids")
+
+    def __init__(self, *values) -> None:
+        for k, v in zip(self.__slots__, values, strict=True):
+            setattr(self, k, v)
+
+
+class PlainStats:
+    """What the sorting reads of vLLM's ``PrefillStats``."""
+
+    __slots__ = ("num_cached_tokens", "num_prompt_tokens")
+
+    def __init__(self, cached: int, prompt: int) -> None:
+        self.num_cached_tokens, self.num_prompt_tokens = cached, prompt
+
+
+class PlainScheduler:
+    """What the sorting reads of vLLM's scheduler (``requests`` is not handed over: a prefill
+    in progress with no chunk for ``STALE_PREFILL_STEPS`` steps is let go without asking it)."""
+
+    __slots__ = ("block_size", "max_num_running_reqs", "requests")
+
+    def __init__(self, block_size, max_num_running_reqs) -> None:
+        self.block_size, self.max_num_running_reqs, self.requests = block_size, max_num_running_reqs, ()
+
+
+def _plain_request(r) -> tuple:
+    toks = r.prompt_token_ids
+    if toks is not None:  # the whole blocks that are hashed, as a plain list (pickled in C)
+        k = min(len(toks), PREFIX_BLOCK * PREFIX_MAX_BLOCKS) // PREFIX_BLOCK * PREFIX_BLOCK
+        toks = toks[:k] if k < len(toks) or type(toks) is not list else toks
+        if type(toks) is not list:
+            toks = list(toks)
+    return PlainRequest, (r.trace_headers, getattr(r, "external_req_id", None), getattr(r, QUEUED, None),
+                          getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, toks)
+
+
+def _plain_stats(ps) -> tuple:
+    return PlainStats, (ps.num_cached_tokens, ps.num_prompt_tokens)
+
+
+def _plain_scheduler(sched) -> tuple:
+    return PlainScheduler, (sched.block_size, sched.max_num_running_reqs)
+
+
+def _hand_over_as_plain(scheduler_cls: type) -> None:
+    from vllm.v1.metrics.stats import PrefillStats
+    from vllm.v1.request import Request
+
+    from ..handoff import plain_as
+
+    plain_as(Request, _plain_request)
+    plain_as(PrefillStats, _plain_stats)
+    plain_as(scheduler_cls, _plain_scheduler)
+
+
+class StepSorter:
+    """Engine cores' logged steps (``STEP_LOG`` records), sorted out where they are read: in the
+    export sidecar as its frames arrive (or in the engine core before it encodes, when it has no
+    sidecar any more), with the same code the step-flush thread runs in vLLM's process
+    (:func:`flush_decode_run`), on each engine's own state: its prefills in progress, its open
+    run. The spans go to the records' source."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, tuple[EngineState, object]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, src, records: list) -> list:
+        from ..otel_setup import STEP_LOG
+
+        out = []
+        with self.lock:
+            for r in records:
+                if r[0] != STEP_LOG:
+                    out.append(r)
+                    continue
+                engine, items, now, final = r[3]
+                st = self._state(engine, src)
+                st.log.extend(items)
+                self._sorted(st, src, RUN_IDLE_S if not final else None, now)
+        return out
+
+    def _state(self, engine: str, src) -> EngineState:
+        got = self.engines.get(engine)
+        if got is None:
+            got = self.engines[engine] = (EngineState(engine=engine, seen={}, stamp=False), src)
+        return got[0]
+
+    @staticmethod
+    def _sorted(st: EngineState, src, idle_s: float | None, now: float | None) -> None:
+        was, RT.deferred = RT.deferred, src
+        try:
+            flush_decode_run(st, idle_s=idle_s, now=now)
+        finally:
+            RT.deferred = was
+
+    def finish(self) -> None:
+        """The serving processes are gone: every open run ends."""
+        with self.lock:
+            for st, src in self.engines.values():
+                self._sorted(st, src, None, None)
+
+
+def _register_sorter() -> None:
+    from ..otel_setup import READ_OUT, STEP_LOG
+
+    READ_OUT.setdefault(STEP_LOG, StepSorter())
+
+
+_register_sorter()
