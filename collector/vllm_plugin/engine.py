@@ -300,7 +300,8 @@ ST = EngineState()
                     Internal(_REQ, "Request.prompt_token_ids", "attribute"),
                     Internal(_REQ, "Request.priority", "attribute"),
                     Internal(_REQ, "Request.prefill_stats", "attribute"),
-                    Internal("vllm.v1.metrics.stats", "PrefillStats.num_cached_tokens", "attribute")])
+                    Internal("vllm.v1.metrics.stats", "PrefillStats.num_cached_tokens", "attribute"),
+                    Internal("vllm.v1.metrics.stats", "PrefillStats.num_prompt_tokens", "attribute")])
 def _install_scheduler() -> None:
     from vllm.v1.core.sched import scheduler as sched
 
