@@ -344,6 +344,8 @@ def test_config_honours_the_standard_otel_variables():
     assert linger == [5.0, 0.0, PluginConfig().export_linger_s], linger  # (a negative wait: none; junk: the default)
     assert PluginConfig.from_env({}).export_process, "the export sidecar is the default"
     assert not PluginConfig.from_env({"TTFTSCOPE_EXPORT_PROCESS": "0"}).export_process
+    assert PluginConfig.from_env({}).steps_in_sidecar, "the sidecar sorts the engine core's steps out by default"
+    assert not PluginConfig.from_env({"TTFTSCOPE_STEPS_IN_SIDECAR": "0"}).steps_in_sidecar
     quiet = [PluginConfig.from_env(e).quiet_steps for e in ({}, {"TTFTSCOPE_QUIET_STEPS": "all"},
                                                             {"TTFTSCOPE_QUIET_STEPS": "5"}, {"TTFTSCOPE_QUIET_STEPS": "-3"},
                                                             {"TTFTSCOPE_QUIET_STEPS": "junk"})]
@@ -472,6 +474,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     steps handed over as the step-flush thread does where there is a sidecar (one record a
     second, written into a real frame with vLLM's objects as their plain values, read back), and
     sorted out there: the same spans."""
+    import dataclasses
     import pickle
     from types import SimpleNamespace as NS
 
@@ -515,6 +518,13 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         monkeypatch.setattr(handoff, "PLAIN", {Req: E._plain_request, Stats: E._plain_stats,
                                                Sched: E._plain_scheduler})
         monkeypatch.setattr(RT, "processor", NS(link=NS(broken=False)))
+        assert E.ships()
+        with monkeypatch.context() as m:  # (TTFTSCOPE_STEPS_IN_SIDECAR=0, or a sidecar that broke: sorted out here)
+            m.setattr(RT, "config", dataclasses.replace(RT.config, steps_in_sidecar=False))
+            assert not E.ships()
+            m.undo()
+            m.setattr(RT, "processor", NS(link=NS(broken=True)))
+            assert not E.ships()
         assert E.ships()
 
     def step(t: float, tokens: dict, new=(), finished=()) -> None:

@@ -82,7 +82,9 @@ def run_checks(store_url: str | None = None, *, check_collector: bool = True) ->
         out.append(Check("export sidecar", "ok" if why is None else "warn",
                          "starts: spans are built, encoded and posted by a process of its own beside each vLLM process "
                          "(outside vLLM's process tree: it outlives a force-kill; it keeps trying a collector that "
-                         f"is down for {cfg.export_linger_s:g}s after its vLLM process has left)"
+                         f"is down for {cfg.export_linger_s:g}s after its vLLM process has left); the engine core's "
+                         + ("steps sorted out there" if cfg.steps_in_sidecar else
+                            "steps sorted out in vLLM's process (TTFTSCOPE_STEPS_IN_SIDECAR=0)")
                          if why is None else f"{why} (the plugin exports from vLLM's processes instead)"))
     if cfg.profile_every:
         out.append(Check("profiler windows", "info", f"every {cfg.profile_every}th worker step under torch.profiler"))

@@ -94,6 +94,10 @@ class PluginConfig:
     #: TTFTSCOPE_EXPORT_LINGER_S: how long an export sidecar whose vLLM process has left keeps
     #: trying a collector that cannot take its spans (down, restarting) before it gives them up
     export_linger_s: float = 30.0
+    #: TTFTSCOPE_STEPS_IN_SIDECAR: with an export sidecar, the engine core hands its logged steps
+    #: over as they are and the sidecar sorts them out (``vllm_plugin.engine.StepSorter``); 0: its
+    #: step-flush thread sorts them out in vLLM's process, as without a sidecar
+    steps_in_sidecar: bool = True
     #: TTFTSCOPE_QUIET_STEPS: of the engine's quiet steps (decode only, nobody waiting, no prefill in
     #: progress: steps that cannot delay a first token), how many are observed one by one, in a
     #: row, once a second; between those samples the scheduler runs unwrapped (no Python of ours per
@@ -131,5 +135,6 @@ class PluginConfig:
             export_timeout_s=_float(env, "OTEL_BSP_EXPORT_TIMEOUT", 10_000, 100) / 1000,
             export_process=env.get("TTFTSCOPE_EXPORT_PROCESS", "1").strip().lower() not in _OFF,
             export_linger_s=_float(env, "TTFTSCOPE_EXPORT_LINGER_S", cls.export_linger_s, 0, 3600),
+            steps_in_sidecar=env.get("TTFTSCOPE_STEPS_IN_SIDECAR", "1").strip().lower() not in _OFF,
             disabled=frozenset(x.strip() for x in env.get("TTFTSCOPE_DISABLE", "").split(",") if x.strip()),
         )

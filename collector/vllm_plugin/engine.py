@@ -887,10 +887,11 @@ def _run_attrs(r: DecodeRun | tuple, engine: str) -> dict:
 
 
 def ships() -> bool:
-    """Whether this process's spans leave through an export sidecar (it is not known to be broken):
-    then the logged steps are handed over as they are (:func:`ship_steps`), else sorted out here."""
+    """Whether this process's spans leave through an export sidecar (it is not known to be broken)
+    that sorts its logged steps out (``TTFTSCOPE_STEPS_IN_SIDECAR``, on by default): then they are
+    handed over as they are (:func:`ship_steps`), else sorted out here."""
     link = getattr(RT.processor, "link", None)
-    return link is not None and not link.broken
+    return link is not None and not link.broken and RT.config.steps_in_sidecar
 
 
 def ship_steps(st: EngineState, final: bool = False) -> None:
