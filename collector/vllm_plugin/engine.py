@@ -943,8 +943,8 @@ def _plain_request(r) -> tuple:
     toks = r.prompt_token_ids
     if toks is not None:  # the whole blocks that are hashed, as a plain list (pickled in C)
         k = min(len(toks), PREFIX_BLOCK * PREFIX_MAX_BLOCKS) // PREFIX_BLOCK * PREFIX_BLOCK
-        toks = toks[:k] if k < len(toks) or type(toks) is not list else toks
-        if type(toks) is not list:
+        toks = toks[:k] if k < len(toks) else toks
+        if type(toks) is not list:  # (vLLM's own list type, or a view)
             toks = list(toks)
     return PlainRequest, (r.trace_headers, getattr(r, "external_req_id", None), getattr(r, QUEUED, None),
                           getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, toks)
