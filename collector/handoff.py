@@ -337,6 +337,13 @@ def probe(endpoint: str, timeout_s: float = READY_TIMEOUT_S) -> str | None:
     return None if ok else s.why
 
 
+def _read_out_here(taken: list[tuple[DeferredSpans, list]]) -> None:
+    """Records about to be encoded in this process (no sidecar to take them) sorted out here, in
+    place: a batch put back on a refusal is then never sorted out twice."""
+    for src, records in taken:
+        records[:] = read_out(src, records)
+
+
 class HandoffProcessor(BoundedBatchSpanProcessor):
     """The plugin's bounded processor, exporting through an export sidecar (module docstring)."""
 
@@ -366,8 +373,7 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
 
     def _post(self, sdk_spans: list, taken: list[tuple[DeferredSpans, list]]) -> bool:
         if not self.link.ensure():
-            for src, records in taken:  # (in place: what is put back on a refusal is sorted out already)
-                records[:] = read_out(src, records)
+            _read_out_here(taken)
             return super()._post(sdk_spans, taken)  # in-process, through the poster (``_client``)
         tick = GilYield()
         c0 = time.thread_time()
@@ -391,8 +397,7 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
                 log.exception("ttftscope: records could not be handed to the export sidecar; encoding them here")
             from .span_wire import request_entry
 
-            for src, records in taken:
-                records[:] = read_out(src, records)
+            _read_out_here(taken)
             raw += b"".join(request_entry(src.encode(records, tick)) for src, records in taken)
             news = []
             frame = dump_frame(([], [], raw))

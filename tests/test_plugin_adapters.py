@@ -581,7 +581,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         assert touched == [], "nothing of a request read as the log is handed over, before the frame is written"
         (_, ((_, got),), _) = pickle.loads(bytes(frame[4:]))  # ... the sidecar reads it
         assert {type(x).__name__ for r in got for it in r[3][1] if it and len(it) == 10
-                for x in (it[5], *(a[1] for a in it[0][3] or ()))} <= {"PlainScheduler", "PlainRequest"}
+                for x in (it[5], *(a[1] for a in it[0][3] or ()))} == {"PlainScheduler", "PlainRequest"}
         monkeypatch.setattr(RT, "deferred", None)  # (the sidecar's: no span source of its own)
         sorter = E.StepSorter()
         monkeypatch.setitem(READ_OUT, STEP_LOG, sorter)

@@ -316,10 +316,7 @@ def _install_scheduler() -> None:
             c0 = time.thread_time() if timed else 0.0
             try:
                 sample_quiet(ST, RT.config.quiet_steps)
-                if ships():
-                    ship_steps(ST)
-                else:
-                    flush_decode_run(ST, idle_s=RUN_IDLE_S)
+                steps_off_the_loop(ST)
             except Exception:  # noqa: BLE001 - keep folding (the log is bounded either way)
                 if not failed:
                     failed = True
@@ -336,7 +333,7 @@ def _install_scheduler() -> None:
     if quiet is not None:
         ST.rest, ST.quiet_left = (orig_schedule, orig_update), quiet
     threading.Thread(target=flush_idle, name="ttftscope-step-flush", daemon=True).start()
-    at_exit(lambda: ship_steps(ST, final=True) if ships() else flush_decode_run(ST))
+    at_exit(lambda: steps_off_the_loop(ST, final=True))
     _hand_over_as_plain(sched.Scheduler)
 
     floor = timing_floor if RT.config.self_timing_dir else None
@@ -894,6 +891,15 @@ def ships() -> bool:
     return link is not None and not link.broken and RT.config.steps_in_sidecar
 
 
+def steps_off_the_loop(st: EngineState, final: bool = False) -> None:
+    """The step-flush thread's work each second (``final``: at exit, every open run ends): the
+    logged steps handed to the sidecar (:func:`ship_steps`) or, without one, sorted out here."""
+    if ships():
+        ship_steps(st, final)
+    else:
+        flush_decode_run(st, idle_s=None if final else RUN_IDLE_S)
+
+
 def ship_steps(st: EngineState, final: bool = False) -> None:
     """The step-flush thread's work where there is a sidecar: the steps logged since the last
     time, as one record (``DeferredSpans.steps``), and once an empty one when the engine went
@@ -977,22 +983,22 @@ class StepSorter:
     run. The spans go to the records' source."""
 
     def __init__(self) -> None:
+        # (one thread reads: the sidecar's frame reader, or the serving process's export thread
+        # under its drain lock: no lock of its own)
         self.engines: dict[str, tuple[EngineState, object]] = {}
-        self.lock = threading.Lock()
 
     def __call__(self, src, records: list) -> list:
         from ..otel_setup import STEP_LOG
 
         out = []
-        with self.lock:
-            for r in records:
-                if r[0] != STEP_LOG:
-                    out.append(r)
-                    continue
-                engine, items, now, final = r[3]
-                st = self._state(engine, src)
-                st.log.extend(items)
-                self._sorted(st, src, RUN_IDLE_S if not final else None, now)
+        for r in records:
+            if r[0] != STEP_LOG:
+                out.append(r)
+                continue
+            engine, items, now, final = r[3]
+            st = self._state(engine, src)
+            st.log.extend(items)
+            self._sorted(st, src, RUN_IDLE_S if not final else None, now)
         return out
 
     def _state(self, engine: str, src) -> EngineState:
@@ -1011,9 +1017,8 @@ class StepSorter:
 
     def finish(self) -> None:
         """The serving processes are gone: every open run ends."""
-        with self.lock:
-            for st, src in self.engines.values():
-                self._sorted(st, src, None, None)
+        for st, src in self.engines.values():
+            self._sorted(st, src, None, None)
 
 
 def _register_sorter() -> None:
