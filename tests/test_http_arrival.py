@@ -111,3 +111,64 @@ def test_through_uvloops_transport_the_wait_of_a_busy_loop_is_counted(monkeypatc
     sent = uvloop.run(main())
     waited = got["read"] - sent
     assert waited - 2 * tick - 0.002 <= got["wait"] <= waited + 0.002, (got, waited, tick)
+
+
+def test_a_thread_switch_inside_the_parse_does_not_open_the_window_before_the_bytes_arrived(pair, monkeypatch):
+    # uvicorn's own protocol with the http-arrival hook installed, on a real loopback connection.
+    # Seen in a CI run: one burst request of 150 with the report's TTFT 5.07 ms longer than the
+    # client's stopwatch (one GIL switch interval). The hook stamped the read in data_received and
+    # asked the kernel later, in on_message_begin: when another thread takes the GIL between the
+    # two (here: the parse is held 30 ms), the kernel's wait includes that hold and the window
+    # opened that much before the bytes were sent.
+    import asyncio
+
+    from uvicorn.config import Config
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as P
+    from uvicorn.server import ServerState
+
+    for name in ("data_received", "on_message_begin"):
+        monkeypatch.setattr(P, name, getattr(P, name))  # restored after the test
+    real_begin = P.on_message_begin
+
+    def held_begin(self):  # another thread holds the GIL inside the parse
+        time.sleep(0.03)
+        real_begin(self)
+
+    monkeypatch.setattr(P, "on_message_begin", held_begin)
+    http._install_arrival()
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    class Transport(_Transport):
+        def get_extra_info(self, key, default=None):
+            return {"socket": self.sock, "sockname": self.sock.getsockname(),
+                    "peername": self.sock.getpeername()}.get(key, default)
+
+        def write(self, data):
+            pass
+
+        def is_closing(self):
+            return False
+
+    c, a = pair
+    got = {}
+
+    async def main():
+        cfg = Config(app=app, log_level="warning")
+        cfg.load()
+        proto = P(config=cfg, server_state=ServerState(), app_state={})
+        proto.connection_made(Transport(a))
+        got["before_send"] = time.time()
+        c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.05)  # the bytes wait at the socket: the event loop is busy
+        proto.data_received(a.recv(4096))
+        got["arrival"] = proto.scope[http.ARRIVAL_KEY]
+        got["read"] = time.time()
+
+    asyncio.run(main())
+    # never before the bytes were sent (the client's window would be shorter than the report's) ...
+    assert got["arrival"] >= got["before_send"], got["before_send"] - got["arrival"]
+    # ... and the bytes' wait is still counted: well before the read (50 ms waited, less a tick)
+    assert got["arrival"] <= got["before_send"] + 2 * http._TICK_S[0] + 0.005, got["arrival"] - got["before_send"]
