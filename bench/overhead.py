@@ -41,7 +41,7 @@ own layers, vLLM's tracing that the plugin turns on -- bench/plugin_profile.py s
 (py-spy), next to this accounting.
 
 Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-dir DIR] [--rate 20]
-       [--output-len 16]. The plugin as it was before quiet steps were sampled (every engine step
+       [--output-len 16] [--max-num-batched-tokens N]. The plugin as it was before quiet steps were sampled (every engine step
        watched): TTFTSCOPE_QUIET_STEPS=all in the environment. An interleaved A/B of a plugin setting:
        --plugin-b KEY=VAL[,KEY=VAL] runs the accounted plugin a second way (mode plugin-b) right after
        it in every round, e.g. --modes plugin,accounted --plugin-b OTEL_BSP_SCHEDULE_DELAY=5000.
@@ -198,10 +198,11 @@ SETTLE_S = 1.6
 
 
 def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: dict | None = None,
-        around=None) -> dict:
+        around=None, step_tokens: int | None = None) -> dict:
     """One server run ``mode``'s way under ``profile``, measured. ``around``: called with the
     server once it is warm, a context manager held over the measured load (its CPU readings
-    included): bench/plugin_profile samples the server there."""
+    included): bench/plugin_profile samples the server there. ``step_tokens``: the server's
+    ``--max-num-batched-tokens`` (None: vLLM's own default)."""
     tmp.mkdir(parents=True, exist_ok=True)
     waits = {"PYTHONPATH": os.pathsep.join(filter(None, [str(WAITS), os.environ.get("PYTHONPATH")])),
              "TTFTSCOPE_BENCH_WAITS": str(tmp / "waits")}
@@ -216,16 +217,17 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
         port = free_port()
         sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], preexec_fn=lambda: os.nice(19))
         wait_http(f"http://127.0.0.1:{port}/", sink)  # any answer: it listens
-        srv = VllmServer(tmp, f"http://127.0.0.1:{port}/v1/traces", run="overhead", env=waits)
+        srv = VllmServer(tmp, f"http://127.0.0.1:{port}/v1/traces", run="overhead", env=waits, max_num_batched_tokens=step_tokens)
     elif plugin:  # plugin-b: the accounted plugin with --plugin-b's environment
         srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead",
                          env={**({"TTFTSCOPE_SELF_TIMING": str(tmp / "self")} if timed else {}), **waits,
-                              **(plugin_b if mode == "plugin-b" else {})})
+                              **(plugin_b if mode == "plugin-b" else {})}, max_num_batched_tokens=step_tokens)
     elif mode == "vllm":
         srv = VllmServer(tmp, None, plugin=False, extra=["--otlp-traces-endpoint", col.url + "/v1/traces"],
-                         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **waits})
+                         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **waits},
+                         max_num_batched_tokens=step_tokens)
     else:
-        srv = VllmServer(tmp, None, plugin=False, env=waits)
+        srv = VllmServer(tmp, None, plugin=False, env=waits, max_num_batched_tokens=step_tokens)
     srv.start()
     try:
         run_profile(srv.url, srv.model, Profile(num_prompts=20, request_rate=profile.request_rate, seed=99))  # warm
@@ -269,6 +271,10 @@ def main() -> None:
     ap.add_argument("--plugin-b", metavar="KEY=VAL[,KEY=VAL]", default=None,
                     help="also run the plugin with these environment variables (mode plugin-b), right after "
                          "plugin in every round: an interleaved A/B of a setting (e.g. OTEL_BSP_SCHEDULE_DELAY=5000)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                    help="the servers' token budget a step (default: vLLM's own, 2048 on CPU: a prompt of this "
+                         "load in one step, as on a GPU server; 128, the tiny model's setting in the tests and "
+                         "the demo, cuts each prompt into ~3 steps, each one more prompt step for the hooks)")
     ap.add_argument("--collector-dir", type=Path, default=Path("/dev/shm"),
                     help="where the collector keeps its spool and store (default: tmpfs)")
     a = ap.parse_args()
@@ -289,7 +295,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for mode in results:
-                res = one(mode, Path(d) / f"{mode}-{r}", profile, a.collector_dir, plugin_b)
+                res = one(mode, Path(d) / f"{mode}-{r}", profile, a.collector_dir, plugin_b,
+                          step_tokens=a.max_num_batched_tokens)
                 results[mode].append(res)
                 print(f"round {r + 1} {mode:<8} TTFT p50 {res['ttft_p50']:7.2f} ms  p99 {res['ttft_p99']:7.2f} ms  "
                       f"{res['throughput']:6.2f} req/s  collector {res['collector_cpu_s']:.2f} CPU-s", flush=True)

@@ -212,15 +212,18 @@ class VllmServer:
     as ``ttftscope run`` / the demo launch it (``ttftscope.servers``)."""
 
     def __init__(self, tmp: Path, endpoint: str | None, *, tp: int = 1, plugin: bool = True, eager: bool = False,
-                 extra: list[str] | None = None, env: dict | None = None, run: str = "test", serve: bool = False):
+                 extra: list[str] | None = None, env: dict | None = None, run: str = "test", serve: bool = False,
+                 max_num_batched_tokens: int | None = 128):
         """``serve``: started as ``vllm serve`` is (support/vllm_serve.py), not as the OpenAI server's
-        module, for what only that path does (``--api-server-count``)."""
+        module, for what only that path does (``--api-server-count``). ``max_num_batched_tokens``: the
+        tiny model's small step (prompts in chunks), or None for vLLM's own default."""
         from ttftscope.tinymodel import shared_tiny_model
 
         self.model = str(shared_tiny_model())  # one path: vLLM's compile caches are reused
         self.port = free_port()
         self.log = tmp / f"vllm-{self.port}.log"
-        self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra)
+        self.cmd = vllm_args(self.model, self.port, tp=tp, eager=eager, extra=extra,
+                             max_num_batched_tokens=max_num_batched_tokens)
         if serve:  # [PY, -m, the module, --model, MODEL, ...] -> [PY, vllm_serve.py, MODEL, ...]
             assert self.cmd[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"], self.cmd[:5]
             self.cmd = [self.cmd[0], str(ROOT / "support" / "vllm_serve.py"), *self.cmd[4:]]
@@ -275,6 +278,16 @@ class VllmServer:
                 name = line.split("{", 1)[0].split(" ", 1)[0]
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
+
+    def info(self, name: str) -> dict[str, str]:
+        """The labels of one of vLLM's info gauges (``vllm:cache_config_info``: its cache config as
+        vLLM itself reports it), from its first line in /metrics; {} when it has none."""
+        import re
+
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{"):
+                return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line.split("{", 1)[1].rsplit("}", 1)[0]))
+        return {}
 
     def chat(self, text: str, max_tokens: int = 8) -> dict:
         r = requests.post(self.url + "/v1/chat/completions", json={

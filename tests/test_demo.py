@@ -15,6 +15,7 @@ import psutil
 import pytest
 import requests
 from conftest import PY, ROOT, CollectorProc, VllmServer, free_port, ttftscope_sql
+from ttftscope.schemas.vocabulary import Attr, SpanName
 
 
 @pytest.mark.slow
@@ -211,9 +212,23 @@ def test_run_with_priority_classes(tmp_path):
         assert res["benchmark"]["classes"]["0"]["completed"] == 10 and res["benchmark"]["classes"]["1"]["completed"] == 30
         assert {"priority=0", "priority=1"} <= set(res["report"]["slo"]["classes"]), "SLO attainment per priority class"
         assert "queue_p99" in res["report"]["slo"]["classes"]["priority=0"]
+        # the engine's priority (vLLM's Request.priority, on the queue span) is the one the client
+        # sent, request by request (negative too: lower is sooner in vLLM)
+        sent = {}
+        for p in (3, -2, 0):
+            r = requests.post(srv.url + "/v1/completions", json={"model": srv.model, "prompt": f"priority {p}",
+                                                                 "max_tokens": 2, "priority": p}, timeout=120)
+            r.raise_for_status()
+            sent[r.json()["id"]] = str(p)
+        col.wait_quiet()
     finally:
         srv.stop()
         col.terminate()
+    rows = ttftscope_sql(col.store, f"""
+        SELECT SpanAttributes['{Attr.REQUEST_ID}'] AS rid, SpanAttributes['{Attr.PRIORITY}'] AS p
+        FROM otel_traces WHERE SpanName = '{SpanName.QUEUE}'""")
+    got = {rid: [r["p"] for r in rows if r["rid"].startswith(rid) or rid.startswith(r["rid"])] for rid in sent}
+    assert got == {rid: [p] for rid, p in sent.items()}, got
 
 
 def test_the_demo_notes_where_its_client_reads_above_the_report():

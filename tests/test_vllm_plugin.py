@@ -13,6 +13,7 @@ from conftest import PY, ROOT, CollectorProc, VllmServer, free_port, ttftscope_s
 from ttftscope.analyzer.decompose import PHASE_COLUMNS, decompose
 from ttftscope.analyzer.window import Window
 from ttftscope.schemas.store import open_store
+from ttftscope.schemas.vocabulary import Attr, SpanName
 
 from ttftscope.tinymodel import prompt_of
 
@@ -49,6 +50,7 @@ def tp1(tmp_path_factory):
         unsampled = srv.completion(prompt_of(20, 2), headers={"traceparent": f"00-{UNSAMPLED_TID}-{CLIENT_PARENT}-00"})
         col.wait_quiet()  # the plugin exports every 2 s; decode runs close after 0.25 s idle (folded every second)
         witness = {**srv.metrics(), "unsampled_prompt_tokens": unsampled["usage"]["prompt_tokens"],
+                   "cache_config": srv.info("vllm:cache_config_info"),
                    "collector_metrics": requests.get(col.url + "/metrics", timeout=10).text}
     finally:
         srv.stop()
@@ -225,6 +227,20 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
     # exit 1 is the default SLO missed, which this VM's speed decides, not what is checked here
     assert r.returncode == (1 if report["slo"]["violated"] else 0) and "Traceback" not in r.stderr, r.stderr
     assert "prefix_cache_misses" not in [f["kind"] for f in report["findings"]]
+
+
+def test_the_kv_block_size_is_vllms_own(tp1):
+    """Witness: vLLM's ``vllm:cache_config_info`` (its cache config as it reports it). The block
+    size on the prefill spans decides which repeats of a prefix could have hit the cache (a hit
+    covers whole blocks: analyzer/bottlenecks' prefix-cache finding)."""
+    store, ids, _, witness = tp1
+    block = witness["cache_config"].get("block_size")
+    assert block and int(block) > 0, witness["cache_config"]
+    sizes = ttftscope_sql(store, f"""
+        SELECT SpanAttributes['{Attr.KV_BLOCK_SIZE}'] AS b, count() AS n
+        FROM otel_traces WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0'
+        GROUP BY b""")
+    assert {r["b"] for r in sizes} == {block}, (sizes, block)  # every prompt's first chunk carries it
 
 
 def _ours_against_vllms(store) -> list[dict]:

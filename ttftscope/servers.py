@@ -187,15 +187,18 @@ def collector(store: str, workdir: Path, port: int | None = None) -> tuple[Child
     return c, url
 
 
-def vllm_args(model: str, port: int, *, tp: int = 1, max_model_len: int = 2048, max_num_batched_tokens: int = 128,
+def vllm_args(model: str, port: int, *, tp: int = 1, max_model_len: int = 2048, max_num_batched_tokens: int | None = 128,
               max_num_seqs: int | None = None, chunked_prefill: bool | None = None, prefix_caching: bool | None = None,
               gpu_memory_utilization: float = 0.3, dummy: bool = True, eager: bool = False,
               extra: list[str] | None = None) -> list[str]:
     """The vLLM OpenAI server's command line. vLLM's defaults (torch.compile on) unless
-    ``eager``: users run compiled, so the product and its tests do too."""
+    ``eager``: users run compiled, so the product and its tests do too. ``max_num_batched_tokens``
+    None: vLLM's own default (2048 a step for the API server on CPU)."""
     a = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
-         "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens),
+         "--max-model-len", str(max_model_len),
          "--gpu-memory-utilization", str(gpu_memory_utilization), "--port", str(port), "--tensor-parallel-size", str(tp)]
+    if max_num_batched_tokens is not None:
+        a += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if dummy:
         a += ["--load-format", "dummy"]
     if eager:
