@@ -38,7 +38,7 @@ from ttftscope.collector.vllm_plugin.runtime import RT  # noqa: E402
 from ttftscope.schemas.vocabulary import HANDOFF_HEADER, PREFIX_BLOCK  # noqa: E402
 
 #: a scheduler output's ``scheduled_cached_reqs`` with no request in it (vLLM's outputs always carry one)
-NO_CACHED = NS(req_ids=[], num_computed_tokens=[])
+NO_CACHED = NS(req_ids=[], num_computed_tokens=[], resumed_req_ids=set())
 
 
 def _as_array(code: str, toks: bytes, hashes):

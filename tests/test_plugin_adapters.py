@@ -17,7 +17,7 @@ from ttftscope.collector.vllm_plugin import adapters as ad
 from ttftscope.collector.vllm_plugin.config import PluginConfig
 
 #: a scheduler output's ``scheduled_cached_reqs`` with no request in it (vLLM's outputs always carry one)
-NO_CACHED = SimpleNamespace(req_ids=[], num_computed_tokens=[])
+NO_CACHED = SimpleNamespace(req_ids=[], num_computed_tokens=[], resumed_req_ids=set())
 
 
 def test_every_adapter_finds_every_vllm_internal_it_touches():
@@ -227,10 +227,12 @@ def test_an_output_that_takes_no_attribute_goes_unstamped_and_the_step_is_still_
     from ttftscope.collector.vllm_plugin import engine as E
 
     class Slotted:
-        __slots__ = ("scheduled_new_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens")
+        __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+                     "total_num_scheduled_tokens")
 
         def __init__(self) -> None:
             self.scheduled_new_reqs, self.num_scheduled_tokens, self.total_num_scheduled_tokens = [], {"a": 1}, 1
+            self.scheduled_cached_reqs = NO_CACHED
 
     st = E.EngineState()
     sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
@@ -527,9 +529,10 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
             assert not E.ships()
         assert E.ships()
 
-    def step(t: float, tokens: dict, new=(), finished=()) -> None:
+    def step(t: float, tokens: dict, new=(), finished=(), resumed=()) -> None:
         """vLLM's schedule(): snapshots, then the requests advanced; update_from_output() frees
-        what finished; our hooks around both, on the 'loop'."""
+        what finished; our hooks around both, on the 'loop'. ``resumed``: requests back from
+        preemption, among the cached ones (vLLM's V1 model runner)."""
         for r in new:
             sched.requests[r.request_id] = r
             E._on_add(r, t - 0.05)
@@ -538,7 +541,8 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
                  scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in new],
                  scheduled_cached_reqs=NS(req_ids=cached_ids, num_computed_tokens=[rq[i].num_computed_tokens
-                                                                                 for i in cached_ids]))
+                                                                                 for i in cached_ids],
+                                          resumed_req_ids=set(resumed)))
         for i, n in tokens.items():
             r = rq[i]
             r.num_computed_tokens += n
@@ -569,6 +573,17 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     step(1.6, {"dec-0-deadbeef": 1})
     late = Req("late-0-deadbeef", 20, 0)
     step(1.7, {"late-0-deadbeef": 20, "dec-0-deadbeef": 1}, new=[late])
+    # preempted mid-prefill (as seen on real vLLM with a small KV cache): vLLM drops what it had
+    # computed and puts it back to wait; resumed, its first whole block is a prefix-cache hit
+    # and it comes back among the cached requests, with no prefill in progress before the step
+    pre = Req("pre-0-deadbeef", 300, 0)
+    step(1.8, {"pre-0-deadbeef": 157, "dec-0-deadbeef": 1}, new=[pre])
+    pre.num_computed_tokens = 0
+    sched._inflight_prefills.discard(pre)
+    step(1.9, {"dec-0-deadbeef": 1})
+    pre.num_computed_tokens = 128
+    step(2.0, {"pre-0-deadbeef": 126, "dec-0-deadbeef": 1}, resumed=["pre-0-deadbeef"])
+    step(2.1, {"pre-0-deadbeef": 46, "dec-0-deadbeef": 1})
     assert touched == [], "no request's own fields read on the engine loop"
     assert len(q) == 0, "nothing built on the loop: the steps wait in the log"
     if where == "in-vllms-process":
@@ -592,14 +607,17 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     pre = sorted((s[3][Attr.REQUEST_ID], s[3][Attr.CHUNK], s[3][Attr.STEP], s[3][Attr.TOKENS_COMPUTED],
                   s[3][Attr.TOKENS_CACHED]) for s in spans if s[0] == SpanName.PREFILL)
     assert pre == [("gone-0", 0, 5, 1024, 0), ("late-0", 0, 8, 20, 0), ("long-0", 0, 1, 1024, 0),
-                   ("long-0", 1, 2, 1024, 0), ("long-0", 2, 3, 1, 0), ("short-0", 0, 2, 24, 16)], pre
+                   ("long-0", 1, 2, 1024, 0), ("long-0", 2, 3, 1, 0),
+                   ("pre-0", 0, 9, 157, 0), ("pre-0", 1, 11, 126, 0), ("pre-0", 2, 12, 46, 0),
+                   ("short-0", 0, 2, 24, 16)], pre
     queued = sorted((s[3][Attr.REQUEST_ID], s[1], s[2]) for s in spans if s[0] == SpanName.QUEUE)
-    assert [q[0] for q in queued] == ["gone-0", "late-0", "long-0", "short-0"]
-    assert queued[2:] == [("long-0", 0.95, 1.0), ("short-0", pytest.approx(1.05), 1.1)]
+    assert [q[0] for q in queued] == ["gone-0", "late-0", "long-0", "pre-0", "short-0"], "queued once each"
+    assert queued[2:3] + queued[4:] == [("long-0", 0.95, 1.0), ("short-0", pytest.approx(1.05), 1.1)]
     steps = sorted((s[3][Attr.STEP], s[3].get(Attr.STEP_LAST), s[3][Attr.STEP_PREFILL_TOKENS],
                     s[3][Attr.STEP_DECODE_TOKENS]) for s in spans if s[0] == SpanName.STEP)
     assert steps == [(1, None, 1024, 0), (2, None, 1048, 0), (3, None, 1, 1), (4, 4, 0, 2),
-                     (5, None, 1024, 1), (6, 7, 0, 2), (8, None, 20, 1)], steps
+                     (5, None, 1024, 1), (6, 7, 0, 2), (8, None, 20, 1), (9, None, 157, 1), (10, 10, 0, 1),
+                     (11, None, 126, 1), (12, None, 46, 1)], steps
     assert st.chunks == {} and not st.after_prompt, "every prefill sorted out to its end, the aborted one let go"
 
 

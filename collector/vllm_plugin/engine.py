@@ -294,6 +294,7 @@ ST = EngineState()
                     Internal("vllm.v1.core.sched.output", "NewRequestData.num_computed_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.req_ids", "attribute"),
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.num_computed_tokens", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "CachedRequestData.resumed_req_ids", "attribute"),
                     Internal(_SCHED, "Scheduler._inflight_prefills", "attribute"),
                     Internal(_REQ, "Request.trace_headers", "attribute"),
                     Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
@@ -483,8 +484,8 @@ def _on_add(request, now: float) -> None:
 @hot("schedule")
 def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     """Runs on the engine loop every step, and keeps it to references and counters: a step
-    that may carry prompt tokens (new requests scheduled, or a prefill still in progress after
-    the step before: vLLM's own set of them) keeps its new requests' vLLM ``Request`` and
+    that may carry prompt tokens (new requests scheduled, requests resumed after preemption, or
+    a prefill still in progress after the step before: vLLM's own set of them) keeps its new requests' vLLM ``Request`` and
     ``PrefillStats`` objects (vLLM frees a request finished in this step and takes its stats
     when it reports them); which of its tokens were prompt tokens is sorted out off the loop,
     from the output's own snapshots (:func:`_prefill_work`, on the step-flush thread). Hot:
@@ -499,7 +500,10 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             st.stamp = False
     new = out.scheduled_new_reqs
     admitted = None
-    if new or st.after_prompt:
+    # (a request preempted mid-prefill and resumed comes back among the cached requests, not
+    # the new ones, and is no prefill in progress before its step: without the last test its
+    # first resumed chunk was counted as decode tokens, seen on real vLLM with a small KV cache)
+    if new or st.after_prompt or out.scheduled_cached_reqs.resumed_req_ids:
         admitted = []
         if new:
             requests = sched.requests
