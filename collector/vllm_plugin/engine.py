@@ -485,11 +485,11 @@ def _on_add(request, now: float) -> None:
 def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     """Runs on the engine loop every step, and keeps it to references and counters: a step
     that may carry prompt tokens (new requests scheduled, requests resumed after preemption, or
-    a prefill still in progress after the step before: vLLM's own set of them) keeps its new requests' vLLM ``Request`` and
-    ``PrefillStats`` objects (vLLM frees a request finished in this step and takes its stats
-    when it reports them); which of its tokens were prompt tokens is sorted out off the loop,
-    from the output's own snapshots (:func:`_prefill_work`, on the step-flush thread). Hot:
-    its caller catches what it raises."""
+    a prefill still in progress after the step before: vLLM's own set of them) keeps its new
+    requests' vLLM ``Request`` and ``PrefillStats`` objects (vLLM frees a request finished in
+    this step and takes its stats when it reports them); which of its tokens were prompt
+    tokens is sorted out off the loop, from the output's own snapshots (:func:`_prefill_work`,
+    on the step-flush thread). Hot: its caller catches what it raises."""
     if st.gap_from:  # the first step watched after unobserved ones, since it was woken (``wake``)
         _unobserved(st, st.last_end)
     st.step = step = st.step + 1
