@@ -172,3 +172,28 @@ def test_a_thread_switch_inside_the_parse_does_not_open_the_window_before_the_by
     assert got["arrival"] >= got["before_send"], got["before_send"] - got["arrival"]
     # ... and the bytes' wait is still counted: well before the read (50 ms waited, less a tick)
     assert got["arrival"] <= got["before_send"] + 2 * http._TICK_S[0] + 0.005, got["arrival"] - got["before_send"]
+
+
+def test_a_port_picked_for_later_is_one_no_bind_of_port_0_can_be_handed():
+    # (ttftscope.servers.free_port: the collector's port in a test that starts it after vLLM,
+    # the vLLM server's own) below the kernel's ephemeral range, and free: binds of port 0 meanwhile
+    # (vLLM's listeners, torch's, ZMQ's) never get it
+    from ttftscope.servers import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), (ports, low)
+    held = []
+    try:
+        for p in ports:  # free: each can be bound
+            s = socket.socket()
+            s.bind(("127.0.0.1", p))
+            held.append(s)
+        for _ in range(50):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+            assert s.getsockname()[1] >= low
+    finally:
+        for s in held:
+            s.close()

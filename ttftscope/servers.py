@@ -22,7 +22,33 @@ import requests
 from ttftscope.schemas import metrics as M
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to a bind of port 0 (``ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A port free now, for a process started later to listen on: picked below the kernel's
+    ephemeral range, so that nothing binding port 0 meanwhile (vLLM's own listeners, torch's
+    and ZMQ's) can be handed it. Seen in a CI run when it was the kernel's own pick: a collector
+    started after vLLM found its port taken, and vLLM's spans went to whatever held it. The
+    kernel's pick where none below the range is free."""
+    import random
+
+    low = _ephemeral_low()
+    pick = random.SystemRandom()  # (not the ``random`` a test may have seeded)
+    for _ in range(64):
+        port = pick.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
