@@ -40,9 +40,10 @@ def free_port() -> int:
     import random
 
     low = _ephemeral_low()
+    first = max(1024, low - 16384)
     pick = random.SystemRandom()  # (not the ``random`` a test may have seeded)
-    for _ in range(64):
-        port = pick.randrange(max(1024, low - 16384), low)
+    for _ in range(64 if first < low else 0):  # (an ephemeral range from 1024 down: the kernel's pick)
+        port = pick.randrange(first, low)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
