@@ -41,8 +41,8 @@ own layers, vLLM's tracing that the plugin turns on -- bench/plugin_profile.py s
 (py-spy), next to this accounting.
 
 Usage: python bench/overhead.py [--rounds 3] [--num-prompts 300] [--collector-dir DIR] [--rate 20]
-       [--output-len 16] [--max-num-batched-tokens N]. The plugin as it was before quiet steps were sampled (every engine step
-       watched): TTFTSCOPE_QUIET_STEPS=all in the environment. An interleaved A/B of a plugin setting:
+       [--output-len 16] [--max-num-batched-tokens N]. The plugin as it was before quiet steps were
+       sampled (every engine step watched): TTFTSCOPE_QUIET_STEPS=all in the environment. An interleaved A/B of a plugin setting:
        --plugin-b KEY=VAL[,KEY=VAL] runs the accounted plugin a second way (mode plugin-b) right after
        it in every round, e.g. --modes plugin,accounted --plugin-b OTEL_BSP_SCHEDULE_DELAY=5000.
 """
@@ -206,6 +206,7 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
     tmp.mkdir(parents=True, exist_ok=True)
     waits = {"PYTHONPATH": os.pathsep.join(filter(None, [str(WAITS), os.environ.get("PYTHONPATH")])),
              "TTFTSCOPE_BENCH_WAITS": str(tmp / "waits")}
+    shape = {"max_num_batched_tokens": step_tokens}  # every mode's server alike
     col = None
     sink = None
     plugin = mode in ("plugin", "accounted", "plugin-b")
@@ -217,17 +218,16 @@ def one(mode: str, tmp: Path, profile: Profile, collector_dir: Path, plugin_b: d
         port = free_port()
         sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], preexec_fn=lambda: os.nice(19))
         wait_http(f"http://127.0.0.1:{port}/", sink)  # any answer: it listens
-        srv = VllmServer(tmp, f"http://127.0.0.1:{port}/v1/traces", run="overhead", env=waits, max_num_batched_tokens=step_tokens)
+        srv = VllmServer(tmp, f"http://127.0.0.1:{port}/v1/traces", run="overhead", env=waits, **shape)
     elif plugin:  # plugin-b: the accounted plugin with --plugin-b's environment
         srv = VllmServer(tmp, col.url + "/v1/traces", run="overhead",
                          env={**({"TTFTSCOPE_SELF_TIMING": str(tmp / "self")} if timed else {}), **waits,
-                              **(plugin_b if mode == "plugin-b" else {})}, max_num_batched_tokens=step_tokens)
+                              **(plugin_b if mode == "plugin-b" else {})}, **shape)
     elif mode == "vllm":
         srv = VllmServer(tmp, None, plugin=False, extra=["--otlp-traces-endpoint", col.url + "/v1/traces"],
-                         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **waits},
-                         max_num_batched_tokens=step_tokens)
+                         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **waits}, **shape)
     else:
-        srv = VllmServer(tmp, None, plugin=False, env=waits, max_num_batched_tokens=step_tokens)
+        srv = VllmServer(tmp, None, plugin=False, env=waits, **shape)
     srv.start()
     try:
         run_profile(srv.url, srv.model, Profile(num_prompts=20, request_rate=profile.request_rate, seed=99))  # warm
