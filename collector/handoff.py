@@ -17,7 +17,8 @@ Safety: the sidecar is started on the first export (an engine core's or worker's
 one warning); a pipe that stays full for the export timeout (a stopped sidecar) counts the
 batch failed and starts a new sidecar. A record that cannot be pickled is encoded here, as
 before. At exit the serving process hands over what is left, closes the pipe and waits for
-the sidecar to post it (up to 4 s; a sidecar still posting then finishes on its own); the
+the sidecar to post it (up to 4 s, and not at all when the collector takes no connection then: a
+sidecar still posting finishes on its own, trying a collector that is down for ``LINGER_S``); the
 sidecar ignores SIGINT and SIGTERM and drains and leaves when its pipe closes. At a shutdown
 vLLM force-kills its engine cores' trees at once: they hand their spans over before that
 (``vllm_plugin.handover``). ``TTFTSCOPE_EXPORT_PROCESS=0`` keeps the export in the serving process.
@@ -302,12 +303,27 @@ class Sidecar:
         """Close the pipe and give the sidecar ``wait_s`` to post what it holds and leave."""
         proc = self.proc
         self._discard()
-        if proc is not None:
+        if proc is not None and wait_s > 0:
             try:
                 proc.wait(wait_s)
             except subprocess.TimeoutExpired:
                 log.warning("ttftscope: the export sidecar (pid %d) is still posting; leaving it to finish", proc.pid)
         self.proc = None
+
+
+def reachable(endpoint: str, timeout_s: float = 0.25) -> bool:
+    """Whether the collector at ``endpoint`` (an http URL) takes a TCP connection now: at exit,
+    whether waiting for the sidecar to post can do any good."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(endpoint)
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def sidecars_of(pids) -> list:
@@ -415,7 +431,17 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
         if self._stop.is_set():
             return
         super().shutdown()
-        self.link.close(min(self.link.timeout_s, EXIT_WAIT_S))
+        wait = min(self.link.timeout_s, EXIT_WAIT_S)
+        endpoint = self.link.settings["endpoint"]
+        if self.link.proc is not None and not reachable(endpoint):
+            # waiting for the sidecar would only hold vLLM's shutdown up (it waited the whole
+            # EXIT_WAIT_S, every process with a sidecar): the sidecar, outside vLLM's processes,
+            # goes on trying for linger_s whether this process waits or not
+            log.info("ttftscope: the collector (%s) is not reachable; leaving without waiting for the export "
+                     "sidecar (pid %d), which goes on trying it for %g s", endpoint, self.link.proc.pid,
+                     self.link.settings.get("linger_s", LINGER_S))
+            wait = 0.0
+        self.link.close(wait)
 
 
 class _SidecarProcessor(BoundedBatchSpanProcessor):

@@ -442,6 +442,33 @@ def test_a_sidecar_at_exit_keeps_trying_a_collector_that_is_down_for_a_while(mon
         assert _arrived(sink, b"left-while-down") == 1
 
 
+def test_a_serving_process_leaving_while_the_collector_is_down_does_not_wait_for_its_sidecar(caplog):
+    """At its default (``EXIT_WAIT_S``, 4 s) a serving process leaving while the collector was down
+    waited all of it for its sidecar to post (seen: vLLM's API server stopped 4 s later with the
+    collector down): waiting cannot help then, and the sidecar goes on trying on its own. It
+    leaves without waiting, says so, and nothing is lost: the spans arrive when the collector is
+    back. The witness of "without waiting" is the process's own account, not a stopwatch."""
+    import logging
+
+    from support.http_stub import PostSink
+    from ttftscope.servers import free_port
+
+    port = free_port()
+    proc, tracer, ours, vllms = _pipeline(f"http://127.0.0.1:{port}", "exit-no-wait", True, interval_s=0.2)
+    ours.add("left-at-once", T0, T0 + 1, {"marker": 1})
+    proc.force_flush()  # the sidecar starts and takes the span
+    sidecar = proc.link.proc
+    with caplog.at_level(logging.INFO, logger="vllm.ttftscope"):
+        proc.shutdown()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("not reachable; leaving without waiting" in m and str(sidecar.pid) in m for m in said), said
+    assert not any("still posting" in m for m in said), "it did not wait for the sidecar and give up"
+    assert sidecar.poll() is None, "the sidecar goes on trying"
+    with PostSink(port=port) as sink:
+        assert sidecar.wait(30) == 0
+        assert _arrived(sink, b"left-at-once") == 1
+
+
 def test_a_sidecar_at_exit_gives_up_on_a_collector_that_stays_down(capfd):
     """... for ``linger_s`` at most: a collector that never comes back costs the spans, not a
     process left behind, and the sidecar says how many and after how long."""
