@@ -478,3 +478,41 @@ def test_a_child_forked_mid_export_can_still_flush_and_exit():
         assert os.waitstatus_to_exitcode(status) == 0, (type(proc).__name__, held)
     p.shutdown()
     h.shutdown()
+
+
+def test_a_driven_export_thread_leaves_the_interval_to_the_thread_that_drives_it():
+    """The engine core's step-flush thread wakes every second anyway: while it drives the export
+    (``drive``; only where the spans go to an export sidecar), the export thread wakes only for a
+    full batch or a flush, and what is queued goes when the driving thread calls ``export_due``,
+    which never doubles a post. ``drive(False)`` gives the interval back to the export thread."""
+    import time
+
+    from support.http_stub import PostSink
+
+    with PostSink() as sink:
+        proc = BoundedBatchSpanProcessor(OTLPSpanExporter(endpoint=sink.url + "/v1/traces", timeout=5), interval_s=0.1,
+                                         poster=OtlpHttpPoster(sink.url + "/v1/traces", timeout=5))
+        src = DeferredSpans(None, Resource.create({"service.name": "driven"}), max_batch=8)
+        proc.add_source(src)
+        proc.drive(True)
+        for i in range(3):
+            src.add("queued", 1_700_000_000.0 + i, 1_700_000_000.5 + i, {"i": i})
+        time.sleep(0.6)  # six of the export thread's intervals
+        assert proc.posts == 0, "the export thread left the interval to the driving thread"
+        assert proc.export_due() > 0 and (proc.posts, proc.exported) == (1, 3)
+        assert proc.export_due() >= 0 and proc.posts == 1, "nothing queued: no post"
+
+        def exported(n: int) -> bool:
+            deadline = time.monotonic() + 10
+            while proc.exported < n and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return proc.exported == n
+
+        for i in range(8):  # a full batch wakes the export thread itself
+            src.add("batch", 1_700_000_010.0 + i, 1_700_000_010.5 + i, {"i": i})
+        assert exported(11), proc.exported
+        proc.drive(False)
+        src.add("interval", 1_700_000_020.0, 1_700_000_020.5, {"i": 0})
+        assert exported(12), "the export thread's own interval again"
+        proc.shutdown()
+    assert sum(body.count(b"queued") for _, body in sink.seen) == 3

@@ -312,12 +312,16 @@ def _install_scheduler() -> None:
         name_native_thread("ttftscope-flush")
         failed = False
         timed = bool(RT.config.self_timing_dir)  # this thread's CPU, for the plugin's own accounting
+        ticks = 0
         while True:
+            exported = 0.0
             time.sleep(FOLD_EVERY_S)
             c0 = time.thread_time() if timed else 0.0
+            ticks += 1
             try:
                 sample_quiet(ST, RT.config.quiet_steps)
                 steps_off_the_loop(ST)
+                exported = export_on_this_thread(RT.processor, ticks)  # (CPU counted as the export's)
             except Exception:  # noqa: BLE001 - keep folding (the log is bounded either way)
                 if not failed:
                     failed = True
@@ -326,7 +330,7 @@ def _install_scheduler() -> None:
                     ST.log.clear()
                     ST.decode_run = None
             if timed:
-                RT.background_s += time.thread_time() - c0
+                RT.background_s += time.thread_time() - c0 - exported
 
     S = sched.Scheduler
     orig_add, orig_schedule, orig_update = S.add_request, S.schedule, S.update_from_output
@@ -893,6 +897,26 @@ def ships() -> bool:
     handed over as they are (:func:`ship_steps`), else sorted out here."""
     link = getattr(RT.processor, "link", None)
     return link is not None and not link.broken and RT.config.steps_in_sidecar
+
+
+def export_on_this_thread(proc, ticks: int) -> float:
+    """The step-flush thread, which wakes every ``FOLD_EVERY_S`` anyway, exports the engine core's
+    spans on the export interval (every ``interval_s / FOLD_EVERY_S``-th tick: no more posts than
+    before) while they go to an export sidecar (a pipe write, never a blocking post to the
+    collector): the export thread then wakes only for a full batch or a flush, one thread's
+    wake-ups a second fewer, and the steps just handed over are pickled while still warm."""
+    drive = getattr(proc, "drive", None)
+    if drive is None:
+        return 0.0
+    if not ships():  # no sidecar (or it broke): posts may block, the export thread's own work
+        if proc.driven:
+            drive(False)
+        return 0.0
+    if not proc.driven:
+        drive(True)
+    if ticks % max(round(proc.interval_s / FOLD_EVERY_S), 1):
+        return 0.0
+    return proc.export_due()
 
 
 def steps_off_the_loop(st: EngineState, final: bool = False) -> None:
