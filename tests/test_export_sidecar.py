@@ -482,3 +482,39 @@ def test_a_sidecar_at_exit_gives_up_on_a_collector_that_stays_down(capfd):
     proc.shutdown()
     assert sidecar.wait(30) == 0
     assert "1 never taken by the collector in 1 s" in capfd.readouterr().err  # its setting, not the default 30
+
+
+def test_the_step_flush_thread_exports_on_the_interval_only_through_a_sidecar(monkeypatch):
+    """The engine core's step-flush thread (every ``FOLD_EVERY_S``) exports the spans itself on
+    the export interval while they go to an export sidecar, so no more posts are made than the
+    export thread made; once the sidecar is broken (a post to the collector could block it) the
+    export thread takes its interval back. Every span arrives once."""
+    import dataclasses
+
+    from ttftscope.collector.vllm_plugin.runtime import RT
+
+    from support.http_stub import PostSink
+
+    with PostSink() as sink:
+        proc, tracer, ours, vllms = _pipeline(sink.url, "flush-driven", True, interval_s=2.0)
+        monkeypatch.setattr(RT, "processor", proc)
+        monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, steps_in_sidecar=True))
+        try:
+            ours.add("tick-span", T0, T0 + 1, {"i": 0})
+            assert E.export_on_this_thread(proc, 1) == 0.0, "every second tick: the 2-s interval"
+            assert proc.driven and proc.posts == 0
+            assert E.export_on_this_thread(proc, 2) > 0 and (proc.posts, proc.exported) == (1, 1)
+            proc.link.broken = True
+            ours.add("tick-span", T0 + 1, T0 + 2, {"i": 1})
+            assert E.export_on_this_thread(proc, 4) == 0.0 and not proc.driven, "the export thread's own again"
+            deadline = time.monotonic() + 20
+            while proc.exported < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proc.exported == 2
+        finally:
+            proc.link.broken = False
+            proc.shutdown()
+        deadline = time.monotonic() + 20
+        while sum(body.count(b"tick-span") for _, body in list(sink.seen)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(body.count(b"tick-span") for _, body in list(sink.seen)) == 2
