@@ -356,7 +356,7 @@ def _install_scheduler() -> None:
     def add_request(self, request):
         if live_add[0]:
             try:
-                _on_add(request, clock(), self)
+                _on_add(request, clock())
             except Exception:  # noqa: BLE001 - never let tracing hurt the server
                 turn_off(live_add, "add_request")
         return orig_add(self, request)
@@ -456,6 +456,8 @@ def _install_engine_input() -> None:
     @functools.wraps(orig)
     def preprocess_add_request(self, request, *a, **kw):
         received = time.time()
+        if ST.resting:  # a request for the engine: its steps are watched from now on (the step in
+            _wake_for_request(ST, received)  # progress included, before this thread spends time on it)
         out = orig(self, request, *a, **kw)
         if live[0]:
             try:
@@ -480,19 +482,12 @@ QUEUED = "_ttftscope_queued"
 
 
 @hot("add_request")
-def _on_add(request, now: float, sched=None) -> None:
+def _on_add(request, now: float) -> None:
     """A request reaches the scheduler: when, stamped on vLLM's Request (one attribute; the
-    intake and queue spans are made when it is first scheduled, from what it carries). A
-    resting scheduler is woken here, on the engine loop, between steps: the stretch not watched
-    ends now, at the end of the step that was in progress when the request came (vLLM's loop
-    takes new requests between steps) — or, where the engine had no request (its loop was
-    waiting for one, not stepping), when the input thread had this one. (The input thread woke
-    it before: the first Python that thread ran after idling, 11-15 us of CPU a request in
-    service, bench/overhead.) Hot: its caller catches what it raises."""
+    intake and queue spans are made when it is first scheduled, from what it carries). Hot:
+    its caller catches what it raises."""
     setattr(request, QUEUED, now)
     if ST.resting:
-        if sched is not None and not sched.running and not sched.waiting:
-            now = getattr(request, RECEIVED, None) or now
         wake(ST, now)
 
 
@@ -712,6 +707,7 @@ def _unshadow(sched) -> None:
     d.pop("update_from_output", None)
 
 
+_wake_for_request = guard("wake")(wake)  # (the input thread's, called only while the scheduler rests)
 
 
 def sample_quiet(st: EngineState, quiet_steps: int | None) -> None:
