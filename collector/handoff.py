@@ -311,21 +311,6 @@ class Sidecar:
         self.proc = None
 
 
-def reachable(endpoint: str, timeout_s: float = 0.25) -> bool:
-    """Whether the collector at ``endpoint`` (an http URL) takes a TCP connection now: at exit,
-    whether waiting for the sidecar to post can do any good."""
-    import socket
-    from urllib.parse import urlsplit
-
-    try:
-        u = urlsplit(endpoint)
-        with socket.create_connection((u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)),
-                                      timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 def sidecars_of(pids) -> list:
     """The export sidecars (``psutil.Process``) of the serving processes ``pids``: they are not
     those processes' children (:func:`detach`), so they are found by the pid each names in its
@@ -432,14 +417,13 @@ class HandoffProcessor(BoundedBatchSpanProcessor):
             return
         super().shutdown()
         wait = min(self.link.timeout_s, EXIT_WAIT_S)
-        endpoint = self.link.settings["endpoint"]
-        if self.link.proc is not None and not reachable(endpoint):
+        if self.link.proc is not None and self.poster is not None and not self.poster.reachable():
             # waiting for the sidecar would only hold vLLM's shutdown up (it waited the whole
             # EXIT_WAIT_S, every process with a sidecar): the sidecar, outside vLLM's processes,
             # goes on trying for linger_s whether this process waits or not
             log.info("ttftscope: the collector (%s) is not reachable; leaving without waiting for the export "
-                     "sidecar (pid %d), which goes on trying it for %g s", endpoint, self.link.proc.pid,
-                     self.link.settings.get("linger_s", LINGER_S))
+                     "sidecar (pid %d), which goes on trying it for %g s", self.link.settings["endpoint"],
+                     self.link.proc.pid, self.link.settings.get("linger_s", LINGER_S))
             wait = 0.0
         self.link.close(wait)
 

@@ -363,6 +363,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         #: records built and encoded, the post) and the posts made: TTFTSCOPE_SELF_TIMING reports them
         self.cpu_parts = {"sdk": 0.0, "encode": 0.0, "post": 0.0}
         self.posts = 0
+        self.cpu_s = 0.0  # the export's CPU time, on whichever thread (TTFTSCOPE_SELF_TIMING reports it)
         self._t = threading.Thread(target=self._run, name="ttftscope-export", daemon=True)
         self._t.start()
         forked = weakref.WeakMethod(self._forked)  # (a processor let go is not kept for a fork)
@@ -517,24 +518,19 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     def _run(self) -> None:
         name_native_thread("ttftscope-exp")
-        self.cpu_s = 0.0  # this thread's CPU time (TTFTSCOPE_SELF_TIMING reports it)
         while not self._stop.is_set():
             self._wake.wait(self.DRIVEN_WAIT_S if self.driven else self.interval_s)
             self._wake.clear()
             if self._rewait:  # driven from now on: wait again, with the driven wait
                 self._rewait = False
                 continue
-            if time.monotonic() < self._hold_until:
-                continue
-            t = time.thread_time()
-            self._drain()
-            self.cpu_s += time.thread_time() - t
+            self.export_due()
 
     def drive(self, on: bool = True) -> None:
         """Another thread that wakes on a schedule of its own anyway (the engine core's step-flush
         thread) exports on the interval by calling :meth:`export_due`; this thread then wakes only
         for a full batch or a flush. A thread's wake-up costs this VM ~60-97 us of CPU (README),
-        and the records it hands over are exported while they are still in its caches. ``on=False``
+        and the records it hands over are likely still in its caches. ``on=False``
         gives the interval back to this thread."""
         if on == self.driven:
             return
@@ -543,14 +539,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._wake.set()
 
     def export_due(self) -> float:
-        """One interval's export on the calling thread (:meth:`drive`), unless the collector asked
-        to wait (Retry-After); the CPU seconds it took, counted as the export's (``cpu_s``)."""
+        """One interval's export on the calling thread (the export thread, or the thread that
+        drives it: :meth:`drive`), unless the collector asked to wait (Retry-After); the CPU
+        seconds it took, counted as the export's (``cpu_s``)."""
         if time.monotonic() < self._hold_until:
             return 0.0
         t = time.thread_time()
         self._drain()
         spent = time.thread_time() - t
-        self.cpu_s = getattr(self, "cpu_s", 0.0) + spent
+        self.cpu_s += spent
         return spent
 
     def held(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import os
+import socket
 import ssl
 import struct
 from collections.abc import Mapping
@@ -291,6 +292,15 @@ class OtlpHttpPoster:
         #: the last export never reached the collector (no connection could be made: it is down or
         #: restarting): nothing of it can have been stored, so it may be sent again
         self.unsent = False
+
+    def reachable(self, timeout_s: float = 0.25) -> bool:
+        """Whether the collector takes a TCP connection now (nothing is sent): at a serving
+        process's exit, whether waiting for its export sidecar to post can do any good."""
+        try:
+            socket.create_connection((self.host, self.port), timeout=timeout_s).close()
+        except OSError:
+            return False
+        return True
 
     def _connect(self) -> http.client.HTTPConnection:
         if self.https:

@@ -600,6 +600,8 @@ def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill
     (5 + 10 = 15), then prefilled 7 tokens a step (~170 steps). Within 128 of A's decode steps A
     needs its 6th block: none is free, and B, the last admitted, is preempted mid-prefill. It
     can come back only when A has finished, in a step of its own."""
+    import threading
+
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
     srv = VllmServer(tmp_path, col.url + "/v1/traces", run="preempt", max_num_batched_tokens=8,
                      extra=["--max-model-len", "1536", "--num-gpu-blocks-override", "16", "--max-num-seqs", "4"],
@@ -615,8 +617,6 @@ def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill
                 srv.stream(prompt, out, ignore_eos=True)
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(repr(e))
-
-        import threading
 
         threads = [threading.Thread(target=one, args=(prompt_of(520, 1), 700)),
                    threading.Thread(target=one, args=(prompt_of(1200, 3), 4))]

@@ -334,7 +334,8 @@ def _install_scheduler() -> None:
                 except Exception:  # noqa: BLE001 - the export thread takes the interval back, for good
                     driving = False
                     log.exception("ttftscope: exporting on the step-flush thread failed; the export thread exports")
-                    _stop_driving(RT.processor)
+                    if RT.processor is not None:
+                        RT.processor.drive(False)
             if timed:
                 RT.background_s += time.thread_time() - c0 - exported
 
@@ -911,23 +912,15 @@ def export_on_this_thread(proc, ticks: int) -> float:
     before) while they go to an export sidecar (a pipe write; a post to the collector from here
     only if the sidecar breaks on the way): the export thread then wakes only for a full batch or
     a flush, one thread's wake-ups a second fewer, and the steps just handed over are pickled
-    while still warm (bench/overhead: export + step-flush threads 41 -> 35-39 us a request)."""
-    drive = getattr(proc, "drive", None)
-    if drive is None:
-        return 0.0
+    right away (bench/overhead: export + step-flush threads 41 -> 35-39 us a request)."""
     if not ships():  # no sidecar (or it broke): posts may block, the export thread's own work
-        _stop_driving(proc)
+        if proc is not None:
+            proc.drive(False)
         return 0.0
-    if not proc.driven:
-        drive(True)
+    proc.drive(True)
     if ticks % max(round(proc.interval_s / FOLD_EVERY_S), 1):
         return 0.0
     return proc.export_due()
-
-
-def _stop_driving(proc) -> None:
-    if getattr(proc, "driven", False):
-        proc.drive(False)
 
 
 def steps_off_the_loop(st: EngineState, final: bool = False) -> None:
