@@ -83,6 +83,10 @@ class Attr:
     BATCH_SIZE = f"{PREFIX}.batch.size"
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"
+    #: of a step's prefill tokens, those recomputed for requests past their first token that a
+    #: preemption had taken the KV cache from (their prompt and the tokens they had generated,
+    #: less what the prefix cache kept): prompt-shaped work, but no first token waits on it
+    STEP_RECOMPUTE_TOKENS = f"{PREFIX}.step.recompute_tokens"
     # a step's anatomy (ns; summed over a merged run): engine-core host time in schedule() and
     # update_from_output(), the workers' execution in between (with async scheduling from when
     # the step before was back: a step waits in vLLM's batch queue while that one runs), and the

@@ -60,7 +60,7 @@ def _record_everything(tracer, ours: DeferredSpans, vllms: DeferredSpans, k: int
     toks = TokenList(range(k, k + 150))
     chunk = (f"req-{k}-abcdef12", 140, 32, 0, th, f"cmpl-{k}", E.PrefixHashes(toks), 16)  # an E.Chunk
     ours.group(E._step_spans, (k, T0 + k, T0 + k + 0.01, T0 + k + 0.01, T0 + k + 0.03, T0 + k + 0.031,
-                               ([chunk], [(T0 + k - 0.2, T0 + k - 0.201, f"req-{k}-abcdef12", f"cmpl-{k}", 3, th)]),
+                               ([chunk], [(T0 + k - 0.2, T0 + k - 0.201, f"req-{k}-abcdef12", f"cmpl-{k}", 3, th)], 0),
                                1, 1, 2, 140, "engine-7", T0 + k - 0.004, 8))
     run = E.DecodeRun(T0 + k + 1, T0 + k + 1.5, 40, 80, 2, 100 + k, 139 + k, 0.01, 0.4, 0.02, 0.01, 0.0, 3, 2, 5)
     ours.add("ttftscope.step", run.start, run.end, (E._run_attrs, (run, "engine-7")))

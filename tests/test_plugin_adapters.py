@@ -496,6 +496,11 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
             self.request_id, self.external_req_id, self.num_computed_tokens = rid, rid[:-9], cached
             self._tp, self._toks = tp, list(range(prompt))
             self.prefill_stats = Stats(num_prompt_tokens=prompt, num_cached_tokens=cached)
+            self.num_output_tokens = 0  # (read on the loop only in a step that resumes it after a preemption)
+
+        @property
+        def num_tokens(self) -> int:  # prompt and output
+            return len(self._toks) + self.num_output_tokens
 
         def _read(self, what: str, value):
             if on_loop[0]:
@@ -546,7 +551,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         for i, n in tokens.items():
             r = rq[i]
             r.num_computed_tokens += n
-            (sched._inflight_prefills.add if r.num_computed_tokens < len(r._toks) else sched._inflight_prefills.discard)(r)
+            (sched._inflight_prefills.add if r.num_computed_tokens < r.num_tokens else sched._inflight_prefills.discard)(r)
         on_loop[0] = True
         E._on_schedule(st, sched, out, t, t + 0.001)
         on_loop[0] = False
@@ -557,7 +562,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         on_loop[0] = False
 
     dec = Req("dec-0-deadbeef", 8, 0)
-    dec.num_computed_tokens = 9  # a running request, decoding
+    dec.num_computed_tokens, dec.num_output_tokens = 9, 2  # a running request, decoding
     sched.requests[dec.request_id] = dec
     long, short = Req("long-0-deadbeef", 2049, 0), Req("short-0-deadbeef", 40, 16)
     step(1.0, {"long-0-deadbeef": 1024}, new=[long])
@@ -584,6 +589,13 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     pre.num_computed_tokens = 128
     step(2.0, {"pre-0-deadbeef": 126, "dec-0-deadbeef": 1}, resumed=["pre-0-deadbeef"])
     step(2.1, {"pre-0-deadbeef": 46, "dec-0-deadbeef": 1})
+    # preempted in its decode, 20 tokens generated: resumed, its prompt and output are computed
+    # again (16 kept by the prefix cache), 8 then 4 tokens; the step that ends it samples a token
+    dec.num_computed_tokens, dec.num_output_tokens = 16, 20
+    step(2.2, {"dec-0-deadbeef": 8}, resumed=["dec-0-deadbeef"])
+    step(2.3, {"dec-0-deadbeef": 4})
+    dec.num_output_tokens += 1
+    step(2.4, {"dec-0-deadbeef": 1})
     assert touched == [], "no request's own fields read on the engine loop"
     assert len(q) == 0, "nothing built on the loop: the steps wait in the log"
     if where == "in-vllms-process":
@@ -617,8 +629,12 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
                     s[3][Attr.STEP_DECODE_TOKENS]) for s in spans if s[0] == SpanName.STEP)
     assert steps == [(1, None, 1024, 0), (2, None, 1048, 0), (3, None, 1, 1), (4, 4, 0, 2),
                      (5, None, 1024, 1), (6, 7, 0, 2), (8, None, 20, 1), (9, None, 157, 1), (10, 10, 0, 1),
-                     (11, None, 126, 1), (12, None, 46, 1)], steps
-    assert st.chunks == {} and not st.after_prompt, "every prefill sorted out to its end, the aborted one let go"
+                     (11, None, 126, 1), (12, None, 46, 1), (13, None, 8, 0), (14, None, 3, 1), (15, 15, 0, 1)], steps
+    recomputed = {s[3][Attr.STEP]: s[3][Attr.STEP_RECOMPUTE_TOKENS] for s in spans
+                  if s[0] == SpanName.STEP and Attr.STEP_RECOMPUTE_TOKENS in s[3]}
+    assert recomputed == {13: 8, 14: 3}, "the recompute is prefill-shaped work of no request's prefill"
+    assert st.chunks == {} and not st.recomputes and not st.after_prompt, \
+        "every prefill and recompute sorted out to its end, the aborted one let go"
 
 
 def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go_when_backed_up(monkeypatch):

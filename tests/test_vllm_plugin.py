@@ -582,15 +582,21 @@ def test_async_scheduling_as_on_a_gpu_host_keeps_steps_and_phases_true(tmp_path)
     assert sum(int(r["hidden"]) for r in steps) > 0, "some host time ran behind a step in flight"
 
 
-def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill(tmp_path):
-    """Witnesses: vLLM's ``vllm:num_preemptions_total`` (the scenario happened), its
+def test_preempted_requests_keep_their_prompt_in_prefill_and_their_recompute_out_of_decode(tmp_path):
+    """Witnesses: vLLM's ``vllm:num_preemptions_total`` (each scenario happened), its
     ``vllm:generation_tokens_total`` (a decode token scheduled is a token generated: the decode
     tokens of all our step spans are vLLM's generated tokens less each request's first, which
     its last prefill chunk makes), each request's own ``gen_ai.usage.prompt_tokens`` and queue
-    and prefill times. The case: vLLM preempts the request admitted last, and one preempted in
-    its prefill comes back among the *cached* requests (``resumed_req_ids``), not the new ones;
-    resumed in a step with no other prompt work, its first resumed chunk was counted as decode
-    tokens before the fix (8 tokens here: 711 decode tokens against vLLM's 703).
+    and prefill times. vLLM preempts the request admitted last, and a preempted one comes back
+    among the *cached* requests (``resumed_req_ids``), not the new ones.
+
+    First case, preempted in its prefill: resumed in a step with no other prompt work, its first
+    resumed chunk was counted as decode tokens before the fix (8 tokens here: 711 decode tokens
+    against vLLM's 703). Second case, preempted while it decodes: vLLM recomputes its prompt and
+    the tokens it had generated (its KV cache was freed; less the whole blocks the prefix cache
+    kept), over several steps, which were all counted as decode tokens (generated) before the
+    second fix (2,757 decode tokens against vLLM's 2,501); they are prefill-shaped work, now
+    ``ttftscope.step.recompute_tokens`` within the steps' prefill tokens.
 
     The shape makes it happen at a known point, not by chance. A KV cache of 15 usable blocks
     of 128 tokens (``--num-gpu-blocks-override 16``; vLLM keeps one), a step budget of 8 tokens
@@ -599,7 +605,12 @@ def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill
     while A decodes: 1200 prompt tokens (10 blocks), admitted because its whole prompt fits
     (5 + 10 = 15), then prefilled 7 tokens a step (~170 steps). Within 128 of A's decode steps A
     needs its 6th block: none is free, and B, the last admitted, is preempted mid-prefill. It
-    can come back only when A has finished, in a step of its own."""
+    can come back only when A has finished, in a step of its own.
+
+    The second case on the same server, once A and B are done: C, 300 prompt tokens and 900 out
+    (10 blocks at its end), then D the same 0.6 s later. Both decode; before C ends they need
+    more than 15 blocks, and D, the last admitted, is preempted with hundreds of tokens
+    generated. It comes back once C is done, its tokens recomputed 8 a step."""
     import threading
 
     col = CollectorProc(str(tmp_path / "store"), tmp_path / "spool").start()
@@ -618,13 +629,17 @@ def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(repr(e))
 
-        threads = [threading.Thread(target=one, args=(prompt_of(520, 1), 700)),
-                   threading.Thread(target=one, args=(prompt_of(1200, 3), 4))]
-        threads[0].start()
-        time.sleep(0.6)  # A's prefill (65 steps) done, its 6th block ~120 steps away
-        threads[1].start()
-        for t in threads:
-            t.join(300)
+        def pair(first: tuple, second: tuple) -> None:
+            threads = [threading.Thread(target=one, args=first), threading.Thread(target=one, args=second)]
+            threads[0].start()
+            time.sleep(0.6)  # the first one's prefill done (A: 65 steps; C: ~40), it decodes
+            threads[1].start()
+            for t in threads:
+                t.join(300)
+
+        pair((prompt_of(520, 1), 700), (prompt_of(1200, 3), 4))  # A's 6th block ~120 steps away
+        mid = srv.metrics()
+        pair((prompt_of(300, 5), 900), (prompt_of(300, 7), 900))  # C, D
         col.wait_quiet()
         after = srv.metrics()
         log = srv.output()
@@ -634,7 +649,9 @@ def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill
     assert not errors, errors
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("vllm:num_preemptions_total", "vllm:generation_tokens_total", "vllm:request_success_total")}
-    assert d["vllm:num_preemptions_total"] > 0, f"vLLM preempted the request in its prefill (the scenario took): {d}"
+    first = mid.get("vllm:num_preemptions_total", 0) - before.get("vllm:num_preemptions_total", 0)
+    assert first > 0, f"vLLM preempted B in its prefill (the first scenario took): {d}"
+    assert d["vllm:num_preemptions_total"] > first, f"vLLM preempted D while it decoded (the second took): {d}"
     assert "ttftscope: adapter" not in log and "ttftscope: hook" not in log, "no adapter disabled, no hook failed"
     rows = ttftscope_sql(col.store, f"""
         SELECT r.rid AS rid, r.prompt AS prompt, s.queue AS queue, s.intake AS intake, s.tokens AS tokens,
@@ -648,7 +665,7 @@ def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill
                           arraySort(groupArrayIf(toInt64OrZero(SpanAttributes['{Attr.CHUNK}']),
                                                  SpanName = '{SpanName.PREFILL}')) AS chunks
                    FROM otel_traces GROUP BY rid) AS s ON r.rid = s.rid""")
-    assert len(rows) == 3, rows
+    assert len(rows) == 5, rows
     rows = [{"rid": r["rid"], **{k: int(r[k]) for k in ("prompt", "queue", "intake", "tokens")},
              "chunks": [int(c) for c in r["chunks"]]} for r in rows]  # (64-bit integers come quoted)
     for r in rows:
@@ -659,9 +676,17 @@ def test_a_request_preempted_mid_prefill_keeps_every_prompt_token_in_its_prefill
     assert len(over) <= d["vllm:num_preemptions_total"], "more than the prompt only where a preemption threw some away"
     decode = ttftscope_sql(col.store, f"""
         SELECT sumIf(toInt64OrZero(SpanAttributes['{Attr.STEP_DECODE_TOKENS}']), SpanName = '{SpanName.STEP}') AS n,
+               sumIf(toInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']), SpanName = '{SpanName.STEP}') AS p,
+               sumIf(toInt64OrZero(SpanAttributes['{Attr.STEP_RECOMPUTE_TOKENS}']), SpanName = '{SpanName.STEP}') AS r,
+               sumIf(toInt64OrZero(SpanAttributes['{Attr.TOKENS_COMPUTED}']), SpanName = '{SpanName.PREFILL}') AS chunks,
                countIf(SpanName = '{SpanName.UNOBSERVED}') AS unobserved FROM otel_traces""")[0]
-    assert int(decode["unobserved"]) == 0, "every step observed"
-    assert int(decode["n"]) == d["vllm:generation_tokens_total"] - d["vllm:request_success_total"], (decode, d)
+    decode = {k: int(v) for k, v in decode.items()}
+    assert decode["unobserved"] == 0, "every step observed"
+    assert decode["n"] == d["vllm:generation_tokens_total"] - d["vllm:request_success_total"], (decode, d)
+    # D's prompt and the tokens it had generated, less the whole blocks the prefix cache kept of
+    # them (256 tokens recomputed in the run that failed before the fix); at most all of D
+    assert 0 < decode["r"] <= 1200, f"D's recompute in the steps' recompute tokens: {decode}"
+    assert decode["p"] == decode["chunks"] + decode["r"], f"a step's prefill tokens: its chunks and recompute {decode}"
     for r in _ours_against_vllms(col.store):  # vLLM's own queue and prefill times, the preemption's wait in them
         assert abs(float(r["q"]) - float(r["vllm_q"])) <= max(0.003, 0.1 * float(r["vllm_q"])), r
         assert abs(float(r["p"]) - float(r["vllm_p"])) <= max(0.003, 0.1 * float(r["vllm_p"])), r

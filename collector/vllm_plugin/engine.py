@@ -93,12 +93,14 @@ def _prefill_attrs(c: Chunk, step: int, batch: int, engine: str) -> dict:
 
 
 def _step_attrs(step: int, prefill_tokens: int, total: int, running: int, waiting: int, batch: int, engine: str,
-                anatomy: tuple, max_num_seqs) -> dict:
+                anatomy: tuple, max_num_seqs, recompute: int = 0) -> dict:
     attrs = {Attr.STEP: step, Attr.STEP_PREFILL_TOKENS: prefill_tokens,
              Attr.STEP_DECODE_TOKENS: max(total - prefill_tokens, 0), Attr.RUNNING: running, Attr.WAITING: waiting,
              Attr.BATCH_SIZE: batch, Attr.ENGINE: engine, **_anatomy_attrs(*anatomy)}
     if waiting:
         attrs[Attr.MAX_NUM_SEQS] = max_num_seqs
+    if recompute:
+        attrs[Attr.STEP_RECOMPUTE_TOKENS] = recompute
     return attrs
 
 
@@ -171,9 +173,11 @@ class _ChainOf:
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
-#: (step, t0, t1, admitted or None, running, waiting): admitted, for a step that may carry prompt
-#: tokens, is its new requests' ``(request id, Request, PrefillStats, tokens computed before)`` (the
-#: id and the count read from vLLM's ``NewRequestData``, which is not kept); None for a decode-only step
+#: (step, t0, t1, admitted or None, running, waiting, recomputing): admitted, for a step that may
+#: carry prompt tokens, is its new requests' ``(request id, Request, PrefillStats, tokens computed
+#: before)`` (the id and the count read from vLLM's ``NewRequestData``, which is not kept); None
+#: for a decode-only step; recomputing: the requests it resumed after a preemption in their decode
+#: ``(request id, its tokens: prompt and generated)``, read on the loop only in such a step
 PendingStep = tuple
 
 
@@ -240,6 +244,10 @@ class EngineState:
     #: prefills in progress (sorted out off the loop): request id -> (its next chunk's index, vLLM's
     #: Request, the step of its last chunk)
     chunks: dict[str, tuple] = field(default_factory=dict)
+    #: recomputes in progress (off the loop): a request preempted in its decode and resumed, its KV
+    #: cache computed again -> (its tokens when resumed: the recompute ends there, and the step that
+    #: ends it samples a new token; the step of its last chunk)
+    recomputes: dict[str, tuple] = field(default_factory=dict)
     after_prompt: bool = False  # prompts in progress after the last step (vLLM's own set): the next step is kept
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
     #: steps as the engine loop leaves them (``DecodeStep``, ``WorkStep``; None: the open run ends
@@ -295,6 +303,8 @@ ST = EngineState()
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.req_ids", "attribute"),
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.num_computed_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.resumed_req_ids", "attribute"),
+                    Internal(_REQ, "Request.num_tokens", "attribute"),
+                    Internal(_REQ, "Request.num_output_tokens", "attribute"),
                     Internal(_SCHED, "Scheduler._inflight_prefills", "attribute"),
                     Internal(_REQ, "Request.trace_headers", "attribute"),
                     Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
@@ -514,36 +524,43 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     # (a request preempted mid-prefill and resumed comes back among the cached requests, not
     # the new ones, and is no prefill in progress before its step: without the last test its
     # first resumed chunk was counted as decode tokens, seen on real vLLM with a small KV cache)
-    if new or st.after_prompt or out.scheduled_cached_reqs.resumed_req_ids:
+    resumed = out.scheduled_cached_reqs.resumed_req_ids
+    recomputing = ()
+    if new or st.after_prompt or resumed:
         admitted = []
-        if new:
-            requests = sched.requests
-            for n in new:
-                r = requests.get(n.req_id)
-                if r is not None:
-                    admitted.append((n.req_id, r, r.prefill_stats, n.num_computed_tokens))
-    st.after_prompt = bool(sched._inflight_prefills)  # prompts still in progress after this step
+        requests = sched.requests
+        for n in new:
+            r = requests.get(n.req_id)
+            if r is not None:
+                admitted.append((n.req_id, r, r.prefill_stats, n.num_computed_tokens))
+        if resumed:  # (rare) one preempted in its decode: its prompt and output recomputed, no first token
+            recomputing = tuple((i, r.num_tokens) for i in resumed
+                                if (r := requests.get(i)) is not None and r.num_output_tokens)
+    # prompts (or recomputes) still in progress after this step
+    st.after_prompt = bool(sched._inflight_prefills)
     pending = st.pending
-    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting))
+    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting), recomputing)
     if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 
 
 def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_computed: list, admitted: list,
-                  step: int) -> tuple[list[Chunk], list[tuple]] | None:
-    """The prefill chunks of a step (``Chunk``), and the requests scheduled for the first
-    time ``(queued at, input thread had it or None, request id, external id, priority, trace
-    headers)``; None when there are neither. Off the engine loop (the step-flush thread, in
-    step order): the tokens each request had computed before the step are the output's own
-    snapshots (``NewRequestData`` / ``CachedRequestData.num_computed_tokens``, read when the
-    step was logged); a request's later chunks are those of a request whose prefill is in
-    progress (``st.chunks``)."""
+                  step: int, recomputing: tuple = ()) -> tuple[list[Chunk], list[tuple], int] | None:
+    """The prefill chunks of a step (``Chunk``), the requests scheduled for the first time
+    ``(queued at, input thread had it or None, request id, external id, priority, trace
+    headers)``, and its recomputed tokens (:func:`_recomputed`); None when there are none of
+    them. Off the engine loop (the step-flush thread, in step order): the tokens each request
+    had computed before the step are the output's own snapshots (``NewRequestData`` /
+    ``CachedRequestData.num_computed_tokens``, read when the step was logged); a request's later
+    chunks are those of a request whose prefill is in progress (``st.chunks``)."""
     chunks, queued = [], []
     progress = st.chunks
     todo = list(admitted)  # (request id, Request, PrefillStats, tokens computed before), as logged
+    cached = dict(zip(cached_ids, cached_computed, strict=False)) if progress or recomputing or st.recomputes \
+        else None
+    recompute = _recomputed(st, ns, cached, recomputing, step) if cached is not None else 0
     if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
         seen = {t[0] for t in todo}
-        cached = dict(zip(cached_ids, cached_computed, strict=False))
         for req_id, (_, req, last) in list(progress.items()):
             if req_id in seen:
                 continue
@@ -591,7 +608,33 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
         chunks.append((req_id, n, ps.num_cached_tokens if ps is not None and ps.num_prompt_tokens else max(prior, 0),
                        0, th, external, PrefixHashes(toks) if toks is not None and len(toks) >= PREFIX_BLOCK else None,
                        sched.block_size))
-    return (chunks, queued) if chunks or queued else None
+    return (chunks, queued, recompute) if chunks or queued or recompute else None
+
+
+def _recomputed(st: EngineState, ns: dict, cached: dict, recomputing: tuple, step: int) -> int:
+    """A step's recomputed tokens (off the loop): a request preempted in its decode lost its KV
+    cache, and once resumed vLLM computes its prompt and the tokens it had generated again
+    (less the whole blocks the prefix cache kept), perhaps over several steps. That is prompt-
+    shaped work but no first token: counted in the step's prefill tokens (so the decode tokens
+    are the tokens generated, as vLLM counts them), never in a request's prefill. The step that
+    ends a recompute samples the request's next token: one of its tokens is decode."""
+    rec = st.recomputes
+    for req_id, tokens in recomputing:
+        rec[req_id] = (tokens, step)
+    n_re = 0
+    for req_id, (tokens, last) in list(rec.items()):
+        n, before = ns.get(req_id), cached.get(req_id)
+        if n is None or before is None:  # not in this step; aborted (long without a chunk): let go
+            if step - last > STALE_PREFILL_STEPS:
+                del rec[req_id]
+            continue
+        if before + n >= tokens:
+            n_re += n - 1
+            del rec[req_id]
+        else:
+            n_re += n
+            rec[req_id] = (tokens, step)
+    return n_re
 
 
 def _anatomy_attrs(schedule: float, execute: float, update: float, idle: float, hidden: float = 0.0) -> dict:
@@ -739,9 +782,9 @@ def _work_step(st: EngineState, w: WorkStep):
     or requests first scheduled, its spans (built on the export thread) and None (the open
     run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
     nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
-    (step, t0, t1, admitted, running, waiting), ns, total, cached_ids, cached_computed, sched, prev_u0, t_u0, t_u1, \
-        prev_end = w
-    work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step)
+    (step, t0, t1, admitted, running, waiting, recomputing), ns, total, cached_ids, cached_computed, sched, prev_u0, \
+        t_u0, t_u1, prev_end = w
+    work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step, recomputing)
     if work is None:
         if total:
             return (step, t0, t1, prev_u0, t_u0, t_u1, prev_end, total, running, waiting,
@@ -789,7 +832,7 @@ def _step_spans(step: int, t0: float, t1: float, prev_u0: float, t_u0: float, t_
     [t_u0, t_u1], idle since ``prev_end``, host time hidden behind a step in flight)."""
     x0, hidden = _overlap(t0, t1, prev_u0, prev_end)
     out = []
-    chunks, queued = work or ((), ())
+    chunks, queued, recompute = work or ((), (), 0)
     for q, rx, req_id, external, priority, headers in queued:
         sent = float(headers.get(HANDOFF_HEADER) or "inf")  # the API server's handoff (trace-context adapter)
         if sent < q:  # intake: handoff -> the scheduler has it (IPC + loop wait)
@@ -800,10 +843,10 @@ def _step_spans(step: int, t0: float, t1: float, prev_u0: float, t_u0: float, t_
     for c in chunks:
         out.append((SpanName.PREFILL, x0, t_u0, _prefill_attrs(c, step, batch, engine), c[4]))
     if total:
-        prefill_tokens = sum(c[1] for c in chunks)
+        prefill_tokens = sum(c[1] for c in chunks) + recompute
         anatomy = (t1 - t0, max(t_u0 - x0, 0.0), t_u1 - t_u0, max(t0 - prev_end, 0.0) if prev_end else 0.0, hidden)
         out.append((SpanName.STEP, t0, t_u1, _step_attrs(step, prefill_tokens, total, running, waiting, batch, engine,
-                                                          anatomy, max_num_seqs), None))
+                                                          anatomy, max_num_seqs, recompute), None))
     return out
 
 
