@@ -9,6 +9,12 @@ _ADVICE = {
     "chunk_wait": ("Long prompts' chunks starve: tune chunked prefill (`--max-num-batched-tokens` larger so a long "
                    "prompt needs fewer steps), or cap concurrent long prefills / use priority scheduling.",
                    "removes most between-chunk waits for long prompts"),
+    "kv_preemption": ("The KV cache ran out: a running request needed blocks and vLLM preempted the newest running "
+                      "request, which waited for blocks and computed its prompt again. Give the KV cache more memory "
+                      "(`--gpu-memory-utilization`, `--kv-cache-memory-bytes`; no `--num-gpu-blocks-override` below "
+                      "what fits), run fewer requests at once (`--max-num-seqs`), cap long outputs (`max_tokens`), "
+                      "or add replicas / tensor parallelism for more KV memory.",
+                      "no preemptions: the preempted requests' wait for blocks and their redone prefill gone"),
     "chunk_budget": ("Long prompts are prefilled over many steps of at most `--max-num-batched-tokens` tokens: "
                      "raise it toward the common prompt length (long prefills then stretch other requests' "
                      "inter-token latency), or let only very "

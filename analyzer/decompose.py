@@ -12,7 +12,9 @@ are clipped to its TTFT window and swept; each instant goes to the highest-prior
 covering it (the registry's sweep priority, ``schemas/phases.py``: prefill > load > tokenize >
 deliver > queue > intake > receive) and what no
 span covers is ``gap``, itself classified by its neighbours (host-side gap before the engine
-has the request, wait between prefill chunks, scheduling wait, delivery wait, other).
+has the request, wait between prefill chunks, the wait of a request vLLM preempted in its
+prefill for KV-cache blocks (the gap before the chunk that resumed it, ``ttftscope.prefill.resumed``),
+scheduling wait, delivery wait, other).
 Allreduce time is the part of each prefill chunk spent in its step's collectives (the least
 any rank spent in them: see ``step_collectives_sql``), carved out of prefill. All sums are
 integer nanoseconds, so the phases add up to ``ttft`` exactly. ``intake_ipc`` is the part of ``intake`` before the engine core's input
@@ -42,7 +44,7 @@ from ttftscope.schemas.vocabulary import Attr, ResourceAttr, SpanName
 from .window import Window
 
 PHASE_COLUMNS = list(PHASES)  # the registry's order; sums to ttft exactly
-GAP_COLUMNS = ["gap_host", "gap_chunk_wait", "gap_schedule", "gap_deliver", "gap_other"]
+GAP_COLUMNS = ["gap_host", "gap_chunk_wait", "gap_preempted", "gap_schedule", "gap_deliver", "gap_other"]
 
 # sweep priorities the gap classes and the allreduce carve-out refer to (from the registry)
 _P_PREFILL, _P_LOAD, _P_DELIVER, _P_QUEUE = (SPECS[p].sweep for p in ("prefill", "load", "deliver", "queue"))
@@ -55,7 +57,7 @@ def decompose_sql() -> str:
                         for p in SWEPT if p.sweep != _P_PREFILL)
     host = f"x.2 IN (0, {', '.join(map(str, _P_HOST))})"
     return f"""
-SELECT * EXCEPT (nb, prefill_all) FROM (
+SELECT * EXCEPT (nb, prefill_all, resumed_st, rs) FROM (
 WITH
   (SELECT groupArray((toUnixTimestamp64Nano(Timestamp), toUnixTimestamp64Nano(Timestamp) + toInt64(Duration)))
      FROM otel_traces WHERE SpanName IN ({in_list(LOAD_SPANS)}) AND {Window.time_filter(86400, 0)}) AS loads,
@@ -93,11 +95,13 @@ WITH
            groupArray((s.prio, s.st, s.en)) AS iv,
            sum(if(s.prio = {_P_PREFILL}, least(s.en - s.st, ifNull(ar.ar_ns, 0)), 0)) AS ar_total,
            countIf(s.prio = {_P_PREFILL}) AS chunks,
+           groupArrayIf(s.st, s.resumed) AS resumed_st,
            sum(s.ipc) AS ipc_total,
            anyIf(s.priority, s.priority != '') AS span_priority
     FROM (
       SELECT TraceId, {sweep_sql()} AS prio, toUnixTimestamp64Nano(Timestamp) AS st, st + toInt64(Duration) AS en,
              {a(Attr.ENGINE)} AS engine, {a(Attr.STEP)} AS step, {a(Attr.PRIORITY)} AS priority,
+             {a(Attr.PREFILL_RESUMED)} = 'true' AS resumed,
              if(SpanName = {_q(SpanName.INTAKE)}, toInt64OrZero({a(Attr.INTAKE_IPC_NS)}), 0) AS ipc
       FROM otel_traces
       WHERE {is_phase_span_sql()} AND {Window.time_filter(60, 600)}
@@ -117,14 +121,19 @@ SELECT
   arraySum(arrayMap((sg, q) -> if(q = {GAP_SWEEP}, sg.2 - sg.1, 0), segs, segp)) AS gap,
   arrayMap(i -> (segp[i], if(i = 1, 0, segp[i - 1]), if(i = length(segp), 0, segp[i + 1])), arrayEnumerate(segp)) AS nb,
   arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND {host}, sg.2 - sg.1, 0), segs, nb)) AS gap_host,
-  arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 = {_P_PREFILL} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_chunk_wait,
+  arrayMap(x -> x - w0, resumed_st) AS rs,
+  arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 = {_P_PREFILL} AND x.3 = {_P_PREFILL} AND has(rs, sg.2),
+                                  sg.2 - sg.1, 0), segs, nb)) AS gap_preempted,
+  arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 = {_P_PREFILL} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb))
+    - gap_preempted AS gap_chunk_wait,
   arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 = {_P_QUEUE} AND x.3 = {_P_PREFILL}, sg.2 - sg.1, 0), segs, nb)) AS gap_schedule,
   arraySum(arrayMap((sg, x) -> if(x.1 = {GAP_SWEEP} AND x.2 IN ({_P_PREFILL}, {_P_DELIVER}) AND (x.3 = {_P_DELIVER} OR x.3 = 0), sg.2 - sg.1, 0), segs, nb)) AS gap_deliver,
-  gap - gap_host - gap_chunk_wait - gap_schedule - gap_deliver AS gap_other
+  gap - gap_host - gap_chunk_wait - gap_preempted - gap_schedule - gap_deliver AS gap_other
 FROM (
   SELECT r.* EXCEPT (t0, TraceId) REPLACE (if(r.priority != '', r.priority, ifNull(sp.span_priority, '')) AS priority),
          r.TraceId AS TraceId,
          sp.chunks AS chunks, sp.ar_total AS ar_total, ifNull(sp.ipc_total, 0) AS ipc_total,
+         sp.resumed_st AS resumed_st,
          length(sp.iv) = 0 AS coarse,
          ifNull(h.hdur, 0) > 0 AS client,
          ifNull(h.streaming, 0) AS streaming,

@@ -87,6 +87,8 @@ REMOVED: dict[str, Callable[[dict], pl.Expr]] = {
     # a non-streaming response's generation after the first token is not the delivery path
     "deliver_dominates": lambda f: _excess("deliver", pl.col("deliver") - pl.col("deliver_generation")),
     "chunk_wait": lambda f: pl.col("gap_chunk_wait"),
+    # the wait for KV-cache blocks after a preemption (the prefill it redid comes on top: a lower bound)
+    "kv_preemption": lambda f: pl.col("gap_preempted"),
     "chunk_budget": lambda f: chunked_excess(f["evidence"]["a_ns"], f["evidence"]["b_ns"]),
     "host_gap": lambda f: pl.col("gap_host"),
     "tokenizer_long_prompts": lambda f: _excess("tokenize"),
@@ -124,7 +126,8 @@ def _engine_time() -> pl.Expr:
     the output processing after them: the gaps around its chunks) and, where the client waits
     for more tokens before it has one to show, those decode steps."""
     return (pl.col("intake") - pl.col("intake_ipc").fill_null(0) + pl.col("queue") + pl.col("prefill")
-            + pl.col("allreduce") + pl.col("gap_schedule") + pl.col("gap_chunk_wait") + pl.col("gap_deliver")
+            + pl.col("allreduce") + pl.col("gap_schedule") + pl.col("gap_chunk_wait") + pl.col("gap_preempted")
+            + pl.col("gap_deliver")
             + pl.col("deliver_generation"))
 
 
@@ -201,6 +204,7 @@ INFLATES: dict[str, tuple[str, ...]] = {
     "engine_host_overhead": ("queue", "intake", "prefill"),
     "chunk_budget": ("prefill",),
     "chunk_wait": ("prefill",),
+    "kv_preemption": ("prefill",),
     "prefix_cache_misses": ("prefill",),
     "tokenizer_long_prompts": ("tokenize",),
     "allreduce_concurrency": ("allreduce",),

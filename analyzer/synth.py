@@ -67,6 +67,8 @@ class Params:
     kv_block: int = 0  # the engine's KV-cache block size on first chunks (0: not said)
     cold_requests: int = 0  # the first k requests after start pay a one-off cost (lazy init)
     cold_extra_ms: float = 0.0
+    preempt_frac: float = 0.0  # share of prompts of two chunks or more that vLLM preempts after their first
+    preempt_wait_ms: float = 0.0  # their wait for KV-cache blocks before the chunk that resumes them
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,13 @@ SCENARIOS: dict[str, Scenario] = {
             "long prompts' prefill chunks wait between steps (starved by other work)",
             "chunk_wait",
             Params(rate=3.0, long_frac=0.15, long_range=(12_000, 24_000), chunk_wait_long_ms=25.0,
+                   prefill_us_per_token=2.0),
+        ),
+        Scenario(
+            "kv-preemption",
+            "the KV cache runs out: some prompts are preempted after their first chunk and wait ~0.8 s for blocks",
+            "kv_preemption",
+            Params(rate=3.0, long_frac=0.15, long_range=(12_000, 24_000), preempt_frac=0.3, preempt_wait_ms=800.0,
                    prefill_us_per_token=2.0),
         ),
         Scenario(
@@ -265,7 +274,13 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     wait = np.where(k > 0, (p.chunk_wait_ms * MS * rng.lognormal(0, 0.2, cid.size)).astype(np.int64), 0)
     wait = wait + np.where((k > 0) & (L[cid] > p.starve_tokens),
                            (p.chunk_wait_long_ms * MS * rng.lognormal(0, 0.1, cid.size)).astype(np.int64), 0)
+    resumed = np.zeros(cid.size, dtype=bool)
+    if p.preempt_frac:  # preempted after the first chunk: the second one waits for KV-cache blocks
+        resumed = (k == 1) & (rng.random(cid.size) < p.preempt_frac)
+    pwait = np.where(resumed, (p.preempt_wait_ms * MS * rng.lognormal(0, 0.1, cid.size)).astype(np.int64), 0)
     service = np.add.reduceat(chunk_dur + wait, first_chunk)  # exact int64 sums
+    # (a preempted request's wait does not hold the prefill server: others are served meanwhile)
+    held = np.add.reduceat(pwait, first_chunk)
 
     # one FIFO prefill server (Lindley recursion): sequential by nature
     start = np.empty(n, dtype=np.int64)
@@ -277,10 +292,10 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     queue = start - ready
     # chunk start times: request start + previous chunks + waits
     # within a request, chunk j starts after the earlier chunks and its own wait
-    base = np.repeat(np.concatenate([[0], np.cumsum(service)[:-1]]), nchunks)
-    offs = np.cumsum(chunk_dur + wait) - chunk_dur - base
+    base = np.repeat(np.concatenate([[0], np.cumsum(service + held)[:-1]]), nchunks)
+    offs = np.cumsum(chunk_dur + wait + pwait) - chunk_dur - base
     cstart = start[cid] + offs.astype(np.int64)
-    prefill_end = start + service
+    prefill_end = start + service + held
     out = (p.output_ms * MS * rng.lognormal(0, 0.2, n)).astype(np.int64)
     ttft = prefill_end + out - arrival
     e2e = ttft + (comp * p.tpot_ms * MS).astype(np.int64)
@@ -341,7 +356,8 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: chunk_cached[mc],
                                  Attr.PREFIX_HASH: chunk_hash[mc], Attr.PREFIX_CHAIN: chunk_chain[mc],
                                  Attr.KV_BLOCK_SIZE: np.where(k == 0, p.kv_block, 0)[mc],
-                                 Attr.BATCH_SIZE: running[mc] + 1, Attr.ENGINE: np.full(nc, engine)},
+                                 Attr.BATCH_SIZE: running[mc] + 1, Attr.ENGINE: np.full(nc, engine),
+                                 Attr.PREFILL_RESUMED: np.where(resumed, "true", "false")[mc]},
                              chunk_dur[mc]))
         tables.append(spans_table(nm, prefill_end[m], trace[m], sids(n, 5)[m], root[m], SpanName.OUTPUT, "Internal", "vllm", api,
                              {Attr.REQUEST_ID: req_id[m]}, out[m]))
@@ -423,6 +439,9 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
             ((tok[big] - p.tok_fixed_ms * MS) / L[big]).mean() / ((tok[~big] - p.tok_fixed_ms * MS) / L[~big]).mean())
     if p.allreduce_slope_per10:
         truth["allreduce_slope_per10"] = p.allreduce_slope_per10
+    if p.preempt_frac:  # the detector's size: the waits' share of the p99 tail's TTFT or of all
+        pw = np.bincount(cid, weights=pwait, minlength=n)
+        truth["kv_preemption_share"] = float(max(pw[tail].sum() / ttft[tail].sum(), pw.sum() / ttft.sum()))
     if p.prefill_regression:
         pf = np.add.reduceat(compute, first_chunk)  # prefill compute per request (allreduce excluded)
         truth["regression"] = {"phase": "prefill", "from": p.versions[0], "to": p.versions[1], "at_ns": int(arrival[n // 2]),

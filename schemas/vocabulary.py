@@ -83,6 +83,10 @@ class Attr:
     BATCH_SIZE = f"{PREFIX}.batch.size"
     STEP_PREFILL_TOKENS = f"{PREFIX}.step.prefill_tokens"
     STEP_DECODE_TOKENS = f"{PREFIX}.step.decode_tokens"
+    #: on a prefill chunk: the first after vLLM preempted the request in its prefill (a running
+    #: request needed KV-cache blocks and none were free: vLLM frees the newest running request's),
+    #: so the wait since its previous chunk was the preemption's, not the chunks' (analyzer: kv_preemption)
+    PREFILL_RESUMED = f"{PREFIX}.prefill.resumed"
     #: of a step's prefill tokens, those recomputed for requests past their first token that a
     #: preemption had taken the KV cache from (their prompt and the tokens they had generated,
     #: less what the prefix cache kept): prompt-shaped work, but no first token waits on it

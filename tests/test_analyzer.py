@@ -29,6 +29,7 @@ def _planted_size(truth: dict) -> float:
         "allreduce_concurrency": lambda t: t["allreduce_slope_per10"],
         "cold_start_gap": lambda t: t["cold_gap_frac"],
         "chunk_wait": lambda t: t["tail_share"]["chunk_wait"],
+        "kv_preemption": lambda t: t["kv_preemption_share"],
         "regression": lambda t: t["regression"]["shift"],
     }[truth["cause"]](truth)
 
@@ -476,7 +477,7 @@ def test_engine_host_overhead_sizes_the_python_above_a_healthy_time_per_step(mod
     host_ms, rng = 10.6, range(40)
     ns = lambda ms: int(ms * 1e6)  # noqa: E731
     zero = {c: [0] * len(rng) for c in ["intake", "intake_ipc", "queue", "allreduce", "gap_schedule", "gap_chunk_wait",
-                                         "deliver_generation"]}
+                                         "gap_preempted", "deliver_generation"]}
     df = pl.DataFrame({**zero, "prefill": [ns(model_ms)] * len(rng), "gap_deliver": [ns(host_ms)] * len(rng),
                        "ttft": [ns(model_ms + host_ms + 2 + i * 0.1) for i in rng]})  # + receive, deliver
     finding = {"evidence": {"schedule_ms_per_step": 0.3, "update_ms_per_step": host_ms - 0.3, "hidden_ms_per_step": 0.0,

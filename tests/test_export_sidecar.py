@@ -58,7 +58,7 @@ def _record_everything(tracer, ours: DeferredSpans, vllms: DeferredSpans, k: int
     with a trace state, and an SDK span of vLLM's own."""
     th = {"traceparent": TP, "x-ttftscope-handoff": "1.5"}
     toks = TokenList(range(k, k + 150))
-    chunk = (f"req-{k}-abcdef12", 140, 32, 0, th, f"cmpl-{k}", E.PrefixHashes(toks), 16)  # an E.Chunk
+    chunk = (f"req-{k}-abcdef12", 140, 32, 0, th, f"cmpl-{k}", E.PrefixHashes(toks), 16, False)  # an E.Chunk
     ours.group(E._step_spans, (k, T0 + k, T0 + k + 0.01, T0 + k + 0.01, T0 + k + 0.03, T0 + k + 0.031,
                                ([chunk], [(T0 + k - 0.2, T0 + k - 0.201, f"req-{k}-abcdef12", f"cmpl-{k}", 3, th)], 0),
                                1, 1, 2, 140, "engine-7", T0 + k - 0.004, 8))

@@ -622,6 +622,9 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
                    ("long-0", 1, 2, 1024, 0), ("long-0", 2, 3, 1, 0),
                    ("pre-0", 0, 9, 157, 0), ("pre-0", 1, 11, 126, 0), ("pre-0", 2, 12, 46, 0),
                    ("short-0", 0, 2, 24, 16)], pre
+    resumed = [(s[3][Attr.REQUEST_ID], s[3][Attr.CHUNK]) for s in spans
+               if s[0] == SpanName.PREFILL and s[3].get(Attr.PREFILL_RESUMED)]
+    assert resumed == [("pre-0", 1)], "the chunk after a preemption says so (the wait before it was the preemption's)"
     queued = sorted((s[3][Attr.REQUEST_ID], s[1], s[2]) for s in spans if s[0] == SpanName.QUEUE)
     assert [q[0] for q in queued] == ["gone-0", "late-0", "long-0", "pre-0", "short-0"], "queued once each"
     assert queued[2:3] + queued[4:] == [("long-0", 0.95, 1.0), ("short-0", pytest.approx(1.05), 1.1)]

@@ -617,7 +617,9 @@ def test_preempted_requests_keep_their_prompt_in_prefill_and_their_recompute_out
     srv = VllmServer(tmp_path, col.url + "/v1/traces", run="preempt", max_num_batched_tokens=8,
                      extra=["--max-model-len", "1536", "--num-gpu-blocks-override", "16", "--max-num-seqs", "4"],
                      env={"TTFTSCOPE_QUIET_STEPS": "all",  # every decode step in a span: their tokens sum up
-                          "PYTHONPATH": str(ROOT / "tests" / "planted"), "PLANTED_EXECUTE_MS": "4"}).start()
+                          "PYTHONPATH": str(ROOT / "tests" / "planted"), "PLANTED_EXECUTE_MS": "4",
+                          "PLANTED_EVENTS_LOG": str(tmp_path / "events")}).start()  # vLLM's own events: a witness
+    since = time.time()
     try:
         before = srv.metrics()
         srv.completion("warm up", 2)
@@ -690,6 +692,25 @@ def test_preempted_requests_keep_their_prompt_in_prefill_and_their_recompute_out
     for r in _ours_against_vllms(col.store):  # vLLM's own queue and prefill times, the preemption's wait in them
         assert abs(float(r["q"]) - float(r["vllm_q"])) <= max(0.003, 0.1 * float(r["vllm_q"])), r
         assert abs(float(r["p"]) - float(r["vllm_p"])) <= max(0.003, 0.1 * float(r["vllm_p"])), r
+
+    # The report names the cause, with its size: B's wait for blocks, from vLLM's own account
+    # (its PREEMPTED event, then the SCHEDULED one that ran it again: the scheduler's timestamps)
+    events = [ln.split() for ln in (tmp_path / "events").read_text().splitlines()]
+    i, (rid, _, t_pre) = next((i, e) for i, e in enumerate(events) if e[1] == "PREEMPTED")
+    t_back = next(e[2] for e in events[i:] if e[0] == rid and e[1] == "SCHEDULED")
+    witness_ms = (float(t_back) - float(t_pre)) * 1e3
+    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", col.store, "--since", str(since),
+                        "--until", str(time.time()), "--json", "--quiet"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert "Traceback" not in r.stderr, r.stderr
+    findings = json.loads(r.stdout)["findings"]
+    top = findings[0]
+    print(f"kv_preemption: B waited {top['evidence'].get('wait_ms_max')} ms, vLLM's events say {witness_ms:.1f} ms")
+    assert top["kind"] == "kv_preemption", [(f["kind"], f["title"]) for f in findings]
+    assert top["evidence"]["requests_preempted"] == 1, top
+    assert abs(top["evidence"]["wait_ms_max"] - witness_ms) <= max(10.0, 0.02 * witness_ms), (top, witness_ms)
+    assert top["evidence"]["recomputed_tokens"] == decode["r"], "D's recompute, in the evidence"
+    assert "chunk_wait" not in [f["kind"] for f in findings if f["severity"] != "low"], findings
 
 
 def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):

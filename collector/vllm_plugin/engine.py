@@ -61,7 +61,7 @@ _INTAKE, _QUEUE, _PREFILL = Phase.INTAKE.value, Phase.QUEUE.value, Phase.PREFILL
 #: (request id, tokens computed, tokens from the prefix cache (first chunk only), chunk index,
 #: trace headers, external id (the client's, when vLLM keeps it) or None, ``PrefixHashes`` of
 #: the prompt (first chunk only) or None, the KV-cache block size (first chunk only: hits come
-#: in whole blocks) or None)
+#: in whole blocks) or None, whether it is the first chunk after vLLM preempted the request)
 Chunk = tuple
 
 
@@ -80,10 +80,12 @@ def _queue_attrs(req_id: str, external: str | None, priority) -> dict:
 
 
 def _prefill_attrs(c: Chunk, step: int, batch: int, engine: str) -> dict:
-    req_id, tokens, cached, index, _th, external, ph, block_size = c
+    req_id, tokens, cached, index, _th, external, ph, block_size, resumed = c
     attrs = {Attr.REQUEST_ID: ext_id_of(req_id, external), Attr.PHASE: _PREFILL, Attr.STEP: step,
              Attr.CHUNK: index, Attr.TOKENS_COMPUTED: tokens, Attr.TOKENS_CACHED: cached,
              Attr.BATCH_SIZE: batch, Attr.ENGINE: engine}
+    if resumed:
+        attrs[Attr.PREFILL_RESUMED] = True
     if block_size:
         attrs[Attr.KV_BLOCK_SIZE] = block_size
     if ph is not None:
@@ -173,11 +175,12 @@ class _ChainOf:
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
-#: (step, t0, t1, admitted or None, running, waiting, recomputing): admitted, for a step that may
+#: (step, t0, t1, admitted or None, running, waiting, resumed_reqs): admitted, for a step that may
 #: carry prompt tokens, is its new requests' ``(request id, Request, PrefillStats, tokens computed
 #: before)`` (the id and the count read from vLLM's ``NewRequestData``, which is not kept); None
-#: for a decode-only step; recomputing: the requests it resumed after a preemption in their decode
-#: ``(request id, its tokens: prompt and generated)``, read on the loop only in such a step
+#: for a decode-only step; resumed_reqs: the requests it resumed after a preemption ``(request id,
+#: its tokens, prompt and generated, if it was preempted in its decode, else 0)``, read on the loop
+#: only in such a step
 PendingStep = tuple
 
 
@@ -525,7 +528,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     # the new ones, and is no prefill in progress before its step: without the last test its
     # first resumed chunk was counted as decode tokens, seen on real vLLM with a small KV cache)
     resumed = out.scheduled_cached_reqs.resumed_req_ids
-    recomputing = ()
+    resumed_reqs = ()
     if new or st.after_prompt or resumed:
         admitted = []
         requests = sched.requests
@@ -534,18 +537,18 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             if r is not None:
                 admitted.append((n.req_id, r, r.prefill_stats, n.num_computed_tokens))
         if resumed:  # (rare) one preempted in its decode: its prompt and output recomputed, no first token
-            recomputing = tuple((i, r.num_tokens) for i in resumed
-                                if (r := requests.get(i)) is not None and r.num_output_tokens)
+            resumed_reqs = tuple((i, r.num_tokens if r.num_output_tokens else 0) for i in resumed
+                                 if (r := requests.get(i)) is not None)
     # prompts (or recomputes) still in progress after this step
     st.after_prompt = bool(sched._inflight_prefills)
     pending = st.pending
-    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting), recomputing)
+    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting), resumed_reqs)
     if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 
 
 def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_computed: list, admitted: list,
-                  step: int, recomputing: tuple = ()) -> tuple[list[Chunk], list[tuple], int] | None:
+                  step: int, resumed_reqs: tuple = ()) -> tuple[list[Chunk], list[tuple], int] | None:
     """The prefill chunks of a step (``Chunk``), the requests scheduled for the first time
     ``(queued at, input thread had it or None, request id, external id, priority, trace
     headers)``, and its recomputed tokens (:func:`_recomputed`); None when there are none of
@@ -556,9 +559,13 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
     chunks, queued = [], []
     progress = st.chunks
     todo = list(admitted)  # (request id, Request, PrefillStats, tokens computed before), as logged
-    cached = dict(zip(cached_ids, cached_computed, strict=False)) if progress or recomputing or st.recomputes \
+    cached = dict(zip(cached_ids, cached_computed, strict=False)) if progress or resumed_reqs or st.recomputes \
         else None
-    recompute = _recomputed(st, ns, cached, recomputing, step) if cached is not None else 0
+    recompute = _recomputed(st, ns, cached, resumed_reqs, step) if cached is not None else 0
+    # preempted in their prefill and back in this step: among the cached requests (vLLM's V1 model
+    # runner), or new again (a request in progress scheduled as new): their next chunk says so
+    again = {i for i, t in resumed_reqs if not t} | {t[0] for t in admitted if t[0] in progress} \
+        if resumed_reqs or progress else ()
     if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
         seen = {t[0] for t in todo}
         for req_id, (_, req, last) in list(progress.items()):
@@ -601,17 +608,17 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
         elif idx:  # its last chunk
             del progress[req_id]
         if idx:
-            chunks.append((req_id, n, 0, idx, th, external, None, None))
+            chunks.append((req_id, n, 0, idx, th, external, None, None, req_id in again))
             continue
         toks = req.prompt_token_ids
         # cached: vLLM's own count when it has one, else what was computed before
         chunks.append((req_id, n, ps.num_cached_tokens if ps is not None and ps.num_prompt_tokens else max(prior, 0),
                        0, th, external, PrefixHashes(toks) if toks is not None and len(toks) >= PREFIX_BLOCK else None,
-                       sched.block_size))
+                       sched.block_size, False))
     return (chunks, queued, recompute) if chunks or queued or recompute else None
 
 
-def _recomputed(st: EngineState, ns: dict, cached: dict, recomputing: tuple, step: int) -> int:
+def _recomputed(st: EngineState, ns: dict, cached: dict, resumed_reqs: tuple, step: int) -> int:
     """A step's recomputed tokens (off the loop): a request preempted in its decode lost its KV
     cache, and once resumed vLLM computes its prompt and the tokens it had generated again
     (less the whole blocks the prefix cache kept), perhaps over several steps. That is prompt-
@@ -619,8 +626,9 @@ def _recomputed(st: EngineState, ns: dict, cached: dict, recomputing: tuple, ste
     are the tokens generated, as vLLM counts them), never in a request's prefill. The step that
     ends a recompute samples the request's next token: one of its tokens is decode."""
     rec = st.recomputes
-    for req_id, tokens in recomputing:
-        rec[req_id] = (tokens, step)
+    for req_id, tokens in resumed_reqs:
+        if tokens:  # (0: preempted in its prefill, which goes on)
+            rec[req_id] = (tokens, step)
     n_re = 0
     for req_id, (tokens, last) in list(rec.items()):
         n, before = ns.get(req_id), cached.get(req_id)
@@ -782,9 +790,9 @@ def _work_step(st: EngineState, w: WorkStep):
     or requests first scheduled, its spans (built on the export thread) and None (the open
     run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
     nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
-    (step, t0, t1, admitted, running, waiting, recomputing), ns, total, cached_ids, cached_computed, sched, prev_u0, \
+    (step, t0, t1, admitted, running, waiting, resumed_reqs), ns, total, cached_ids, cached_computed, sched, prev_u0, \
         t_u0, t_u1, prev_end = w
-    work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step, recomputing)
+    work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step, resumed_reqs)
     if work is None:
         if total:
             return (step, t0, t1, prev_u0, t_u0, t_u1, prev_end, total, running, waiting,

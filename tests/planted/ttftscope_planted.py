@@ -44,6 +44,11 @@ by environment variables, read in the process where the cause belongs:
   this long once its weights are loaded, before it profiles memory and warms up (compiles) the
   model, outside every loading span (as a lock on a shared cache or a slow mount nobody
   instrumented would make it wait); it writes the wait's start and end (epoch seconds) to the log.
+
+Not a fault, a witness: ``PLANTED_EVENTS_LOG`` (a path): the engine core appends every request
+event vLLM records (``Request.record_event``: QUEUED, SCHEDULED, PREEMPTED, with vLLM's own
+monotonic timestamp) as a line ``request_id TYPE timestamp``, so a test can hold the product's
+spans against vLLM's own account of when a request was preempted and when it ran again.
 """
 
 from __future__ import annotations
@@ -251,7 +256,27 @@ def _startup_idle(s: float, log: str | None) -> None:
     cpu_worker.CPUWorker.determine_available_memory = determine_available_memory
 
 
+def _log_events(path: str) -> None:
+    from vllm.v1 import request as rq
+
+    orig = rq.Request.record_event
+    if getattr(orig, "_planted", False):
+        return
+
+    @functools.wraps(orig)
+    def record_event(self, event_type, timestamp=None):
+        with open(path, "a") as f:
+            f.write(f"{self.request_id} {event_type.name} {time.monotonic() if timestamp is None else timestamp!r}\n")
+        return orig(self, event_type, timestamp)
+
+    record_event._planted = True
+    rq.Request.record_event = record_event
+
+
 def register() -> None:
+    events = os.environ.get("PLANTED_EVENTS_LOG")
+    if events:  # (only the engine core records them)
+        _log_events(events)
     execute = float(os.environ.get("PLANTED_EXECUTE_MS", "0") or 0)
     update = float(os.environ.get("PLANTED_UPDATE_MS", "0") or 0)
     if execute > 0:
