@@ -206,6 +206,14 @@ def alert_defs(slo: SLO) -> list[AlertDef]:
                  {"model": "m"}),
         healthy=[_ttft("m", 2 * t95 + 0.05),
                  (f'{M.VLLM_WAITING}{{model_name="m"}}', "0x60"), (f'{M.VLLM_KV_USAGE}{{model_name="m"}}', "0.3x60")]))
+    p = slo.kv_max_preemptions_per_min
+    A.append(AlertDef(
+        "KVCachePreemptions", f"sum by (model_name) (rate({M.VLLM_PREEMPTIONS}[5m])) * 60 > {p:g}", "warning",
+        "vLLM preempts requests on {{ $labels.model_name }}: its KV cache runs out",
+        f"More than {p:g} requests a minute preempted (vLLM's own count): each waits for KV-cache blocks and computes "
+        "its tokens again, in its prefill a wait its first token takes.", "ttftscope-capacity", f,
+        bad=Case([(f'{M.VLLM_PREEMPTIONS}{{model_name="m"}}', f"0+{10 * p:g}x60")], {"model_name": "m"}),
+        healthy=[(f'{M.VLLM_PREEMPTIONS}{{model_name="m"}}', f"0+{p / 4:g}x60")]))
     return A
 
 

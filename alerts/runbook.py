@@ -52,6 +52,12 @@ _GUIDE: dict[str, tuple[str, str, str]] = {
                            "the embedded store: `ttftscope store check --repair`."),
     "CollectorBacklog": ("alerts", "The collector's /metrics: ttftscope_collector_queue_spans growing.",
                          "The store cannot keep up: give the collector a faster disk or a ClickHouse server."),
+    "KVCachePreemptions": ("gaps", "Gaps & bottlenecks: the KV-cache preemption finding (requests preempted in "
+                           "their prefill and their wait for blocks); Requests: a preempted request's timeline has "
+                           "the wait before the chunk that resumed it.",
+                           "Give the KV cache more memory (`--gpu-memory-utilization`, `--kv-cache-memory-bytes`), "
+                           "run fewer requests at once (`--max-num-seqs`), cap long outputs (`max_tokens`), or add "
+                           "replicas."),
     "TTFTTracksLoadScaleOut": ("overview", "Overview: TTFT and request rate move together; KV cache usage high.",
                                "Add replicas or autoscale on queue length / TTFT p90."),
 }

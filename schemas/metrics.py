@@ -63,6 +63,7 @@ VLLM_QUEUE = "vllm:request_queue_time_seconds"
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
 VLLM_SUCCESS = "vllm:request_success_total"
 VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                      20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

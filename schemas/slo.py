@@ -51,6 +51,7 @@ class SLO:
     group_wait: str = _key("alerts.group_wait", "dur", "30s")
     collector_max_queue_spans: int = _key("collector.max_queue_spans", "pos", 100_000)
     scale_out_kv_usage: float = _key("scale_out.kv_cache_usage", "frac", 0.8)
+    kv_max_preemptions_per_min: float = _key("kv_cache.max_preemptions_per_min", "pos", 1.0)
 
     def __post_init__(self) -> None:
         for k, v in self.ttft_targets_ms.items():

@@ -229,6 +229,18 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
     assert "prefix_cache_misses" not in [f["kind"] for f in report["findings"]]
 
 
+def test_every_vllm_metric_our_alerts_and_dashboards_read_is_one_vllm_exports(tp1):
+    """The alerts and dashboards read vLLM's own series by name (``schemas/metrics.py``'s
+    ``VLLM_*``): a name vLLM does not export (renamed in a release) would leave an alert that
+    never fires. Witness: the real server's /metrics (a histogram as its ``_count``)."""
+    from ttftscope.schemas import metrics as M
+
+    _, _, _, witness = tp1
+    names = {v for k, v in vars(M).items() if k.startswith("VLLM_") and isinstance(v, str)}
+    missing = [n for n in sorted(names) if n not in witness and n + "_count" not in witness]
+    assert len(names) >= 9 and not missing, missing
+
+
 def test_the_kv_block_size_is_vllms_own(tp1):
     """Witness: vLLM's ``vllm:cache_config_info`` (its cache config as it reports it). The block
     size on the prefill spans decides which repeats of a prefix could have hit the cache (a hit
