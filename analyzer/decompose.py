@@ -45,6 +45,10 @@ from .window import Window
 
 PHASE_COLUMNS = list(PHASES)  # the registry's order; sums to ttft exactly
 GAP_COLUMNS = ["gap_host", "gap_chunk_wait", "gap_preempted", "gap_schedule", "gap_deliver", "gap_other"]
+#: what each kind of gap is, in words (the UI's)
+GAP_LABELS = {"gap_host": "host side, before the engine", "gap_chunk_wait": "between prefill chunks",
+              "gap_preempted": "preempted, waiting for KV-cache blocks", "gap_schedule": "queued -> computing",
+              "gap_deliver": "delivery", "gap_other": "other"}
 
 # sweep priorities the gap classes and the allreduce carve-out refer to (from the registry)
 _P_PREFILL, _P_LOAD, _P_DELIVER, _P_QUEUE = (SPECS[p].sweep for p in ("prefill", "load", "deliver", "queue"))

@@ -103,10 +103,12 @@ def overview(targets_ms: dict[str, float] | None = None) -> dict:
                            "priority 0"))
     ar = timeseries.Panel().title("Allreduce per step p99, by rank").unit("s").height(8).span(8).datasource(PROM) \
         .with_target(_prom(f"histogram_quantile(0.99, sum by (le, rank) (rate({M.ALLREDUCE}_bucket[$__rate_interval])))", "rank {{rank}}"))
-    load = timeseries.Panel().title("Running / waiting requests, KV cache").height(8).span(8).datasource(PROM) \
+    load = timeseries.Panel().title("Running / waiting requests, KV cache, preemptions a minute").height(8).span(8) \
+        .datasource(PROM) \
         .with_target(_prom(f"sum({M.VLLM_RUNNING}{{{sel}}})", "running", "A")) \
         .with_target(_prom(f"sum({M.VLLM_WAITING}{{{sel}}})", "waiting", "B")) \
-        .with_target(_prom(f"avg({M.VLLM_KV_USAGE}{{{sel}}})", "kv cache usage", "C"))
+        .with_target(_prom(f"avg({M.VLLM_KV_USAGE}{{{sel}}})", "kv cache usage", "C")) \
+        .with_target(_prom(f"sum(rate({M.VLLM_PREEMPTIONS}{{{sel}}}[$__rate_interval])) * 60", "preemptions / min", "D"))
     itl = timeseries.Panel().title("ITL / TPOT p99").unit("s").height(8).span(12).datasource(PROM) \
         .with_target(_prom(f"histogram_quantile(0.99, sum by (le) (rate({M.VLLM_ITL}_bucket{{{sel}}}[$__rate_interval])))", "ITL", "A")) \
         .with_target(_prom(f"histogram_quantile(0.99, sum by (le) (rate({M.VLLM_TPOT}_bucket{{{sel}}}[$__rate_interval])))", "TPOT", "B"))

@@ -82,6 +82,22 @@ def test_a_request_opens_by_request_id_and_bad_ids_get_a_message(filled, monkeyp
     assert any("No request or trace matches" in e.value for e in at.error)
 
 
+def test_a_request_vllm_preempted_says_what_its_gap_was(tmp_path, monkeypatch):
+    """The planted cause (synth: prompts preempted after their first chunk, ~0.8 s waiting for
+    KV-cache blocks) is the top finding on the gaps page, and the slowest request's page says
+    what its red stretch was, not only that it was idle."""
+    store = str(tmp_path / "store")
+    synth.write(open_store(store), "kv-preemption", 1500, seed=3)
+    at = _app(store, monkeypatch)
+    at.switch_page("views/gaps.py").run()
+    _no_exception(at, "gaps")
+    assert "KV cache ran out" in at.expander[0].label, at.expander[0].label
+    at.switch_page("views/requests.py").run()
+    _no_exception(at, "requests")
+    gaps = [c.value for c in at.caption if c.value.startswith("gap: ")]
+    assert gaps and "preempted, waiting for KV-cache blocks" in gaps[0], [c.value for c in at.caption]
+
+
 @pytest.mark.parametrize("evil", ["x' OR 1=1 --", "'); DROP TABLE otel_traces; --", "{model:String}"])
 def test_filters_are_bound_parameters(filled, monkeypatch, evil):
     store, truth = filled

@@ -4,7 +4,7 @@ import orjson
 import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
-from ttftscope.analyzer.decompose import PHASE_COLUMNS
+from ttftscope.analyzer.decompose import GAP_COLUMNS, GAP_LABELS, PHASE_COLUMNS
 from ttftscope.analyzer.requests import gap_intervals, slowest
 from ttftscope.dashboards.ui.common import (
     UIError,
@@ -65,6 +65,8 @@ with guard():
         r = row.row(0, named=True)
         st.caption("TTFT " + f"{r['ttft'] / 1e6:.2f} ms = " + " + ".join(
             f"{p} {r[p] / 1e6:.2f}" for p in PHASE_COLUMNS if r[p]))
+        if r["gap"]:  # what the red stretches were (analyzer.decompose: gaps by their neighbours)
+            st.caption("gap: " + ", ".join(f"{GAP_LABELS.get(c, c)} {r[c] / 1e6:.2f} ms" for c in GAP_COLUMNS if r[c]))
     st.download_button("Download as Perfetto JSON", orjson.dumps(a.export_perfetto(trace_ids=[tid])),
                        file_name=f"{tid}.perfetto.json", mime="application/json")
     st.subheader("Spans and attributes")
