@@ -117,26 +117,34 @@ def chunk_waits(ctx: Context) -> list[Finding]:
 
 @detector("kv_preemption")
 def kv_preemption(ctx: Context) -> list[Finding]:
-    """Requests vLLM preempted in their prefill: a running request needed KV-cache blocks and
-    none were free, so vLLM freed the newest running request's and put it back to wait. Its
-    wait for blocks is the gap before the chunk that resumed it (``gap_preempted``: the plugin
-    marks that chunk, ``ttftscope.prefill.resumed``), and what it had computed is computed
-    again. Sized by that wait's share of the p99 tail's TTFT, or of every request's (a few
-    preempted requests in a large window). Evidence: the requests, their longest wait, and the
-    engine's recomputed tokens in the window (requests preempted while they decoded: no first
-    token waits on those, but they take the token budget of the steps that recompute them)."""
+    """Requests vLLM preempted: a running request needed KV-cache blocks and none were free, so
+    vLLM freed the newest running request's and put it back to wait. One preempted in its
+    prefill waits for blocks, the gap before the chunk that resumed it (``gap_preempted``: the
+    plugin marks that chunk, ``ttftscope.prefill.resumed``), and computes again what it had:
+    sized by that wait's share of the p99 tail's TTFT, or of every request's (a few preempted
+    requests in a large window). One preempted while it decoded has its prompt and output
+    recomputed once resumed (the steps' ``ttftscope.step.recompute_tokens``): no first token
+    waits on that, but it takes the token budget of the steps that do it — without a preempted
+    prefill that alone is a low finding, sized by its share of the window's prefill tokens."""
     df = ctx.df
-    if "gap_preempted" not in df.columns or not df["gap_preempted"].sum():
-        return []
+    rec = ctx.store.query(f"""
+        SELECT sum(toUInt64OrZero(SpanAttributes['{Attr.STEP_RECOMPUTE_TOKENS}'])) AS recomputed,
+               sum(toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}'])) AS prefill
+        FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()}""", ctx.window.params())
+    recomputed, prefill = (int(rec["recomputed"][0] or 0), int(rec["prefill"][0] or 0)) if rec.height else (0, 0)
+    waited = "gap_preempted" in df.columns and df["gap_preempted"].sum() > 0
+    if not waited:
+        share = recomputed / prefill if prefill else 0.0
+        return [f] if recomputed and (f := _finding(
+            "kv_preemption", "low", share, "share", share,
+            f"KV cache ran out: vLLM preempted requests while they decoded and recomputed {recomputed:,} of their "
+            f"tokens, {share:.0%} of the prefill work: no first token waited on it, the steps' token budget did",
+            requests_preempted=0, recomputed_tokens=recomputed, prefill_tokens=prefill)) else []
     tail = tail_attribution(df, 0.99)
     share_tail = tail["share"]["gap_preempted"]
     share_all = df["gap_preempted"].sum() / df["ttft"].sum()
     share = max(share_tail, share_all)
     hit = df.filter(pl.col("gap_preempted") > 0).sort("gap_preempted", descending=True)
-    rec = ctx.store.query(f"""
-        SELECT sum(toUInt64OrZero(SpanAttributes['{Attr.STEP_RECOMPUTE_TOKENS}'])) AS tokens
-        FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()}""", ctx.window.params())
-    recomputed = int(rec["tokens"][0] or 0) if rec.height else 0
     sev = "high" if share >= 0.25 else "medium" if share >= 0.10 else "low"
     where = "p99 TTFT" if share_tail >= share_all else f"TTFT across all {df.height} requests"
     title = (f"KV cache ran out: {hit.height} request(s) preempted in their prefill waited for blocks, "
@@ -144,7 +152,7 @@ def kv_preemption(ctx: Context) -> list[Finding]:
     return [f] if (f := _finding("kv_preemption", sev, share, "share", share, title,
                                  requests_preempted=hit.height, wait_ms_max=hit["gap_preempted"][0] / 1e6,
                                  wait_ms_sum=hit["gap_preempted"].sum() / 1e6, share_p99_tail=share_tail,
-                                 share_all=share_all, recomputed_tokens=recomputed,
+                                 share_all=share_all, recomputed_tokens=recomputed, prefill_tokens=prefill,
                                  request_ids=hit["request_id"].head(5).to_list(),
                                  trace_ids=hit["trace_id"].head(5).to_list())) else []
 

@@ -652,7 +652,7 @@ def test_preempted_requests_keep_their_prompt_in_prefill_and_their_recompute_out
                 t.join(300)
 
         pair((prompt_of(520, 1), 700), (prompt_of(1200, 3), 4))  # A's 6th block ~120 steps away
-        mid = srv.metrics()
+        mid, since_mid = srv.metrics(), time.time()
         pair((prompt_of(300, 5), 900), (prompt_of(300, 7), 900))  # C, D
         col.wait_quiet()
         after = srv.metrics()
@@ -723,6 +723,14 @@ def test_preempted_requests_keep_their_prompt_in_prefill_and_their_recompute_out
     assert abs(top["evidence"]["wait_ms_max"] - witness_ms) <= max(10.0, 0.02 * witness_ms), (top, witness_ms)
     assert top["evidence"]["recomputed_tokens"] == decode["r"], "D's recompute, in the evidence"
     assert "chunk_wait" not in [f["kind"] for f in findings if f["severity"] != "low"], findings
+    # the second case alone (D preempted while it decoded): no first token waited, so a low
+    # finding, with the recompute
+    r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", col.store, "--since", str(since_mid),
+                        "--until", str(time.time()), "--json", "--quiet"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    kv = [f for f in json.loads(r.stdout)["findings"] if f["kind"] == "kv_preemption"]
+    assert len(kv) == 1 and kv[0]["severity"] == "low", kv
+    assert kv[0]["evidence"]["requests_preempted"] == 0 and kv[0]["evidence"]["recomputed_tokens"] == decode["r"], kv
 
 
 def test_a_client_that_left_before_its_first_token_has_no_client_ttft(tmp_path):
