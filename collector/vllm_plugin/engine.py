@@ -536,7 +536,8 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             r = requests.get(n.req_id)
             if r is not None:
                 admitted.append((n.req_id, r, r.prefill_stats, n.num_computed_tokens))
-        if resumed:  # (rare) one preempted in its decode: its prompt and output recomputed, no first token
+        if resumed:  # (rare) back from a preemption: in its decode (its tokens: prompt and output are
+            # recomputed, no first token waits), or in its prefill (0: the prefill goes on)
             resumed_reqs = tuple((i, r.num_tokens if r.num_output_tokens else 0) for i in resumed
                                  if (r := requests.get(i)) is not None)
     # prompts (or recomputes) still in progress after this step
