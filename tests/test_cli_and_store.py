@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -302,3 +303,30 @@ def test_the_token_window_keeps_the_newest_tokens_as_one_by_one_would():
             tk.add(runs, f"{sid}-{i}", 10.0 * i + w, 300)
             ref.append(f"{sid}-{i}")
     assert len(runs) == 3 and sorted(tk.tokens(runs)) == sorted(ref)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_signal_dropped_in_a_finalizer_still_stops_the_command():
+    """Seen once in CI: ``kill -INT`` reached the demo while a weakref finalizer ran, Python
+    printed its KeyboardInterrupt ("Exception ignored in: <finalize object>") and dropped it, and
+    the demo ran on to its end (exit 0, not 130). The demo's, ``run``'s and ``sweep``'s handler
+    remembers the signal, and the next step raises it again."""
+    import gc
+    import weakref
+
+    from ttftscope import servers
+    from ttftscope.demo import _say
+
+    servers.INTERRUPTED.clear()
+    try:
+        class Held:
+            pass
+
+        h = Held()
+        weakref.finalize(h, servers.interrupt, signal.SIGINT, None)
+        del h  # the handler runs inside the finalizer: its KeyboardInterrupt is dropped here ...
+        gc.collect()
+        with pytest.raises(KeyboardInterrupt):  # ... and raised at the command's next step
+            _say("4/6", "the next step")
+    finally:
+        servers.INTERRUPTED.clear()

@@ -614,8 +614,11 @@ def main(argv: list[str] | None = None) -> int:
         # without job control: Python then keeps ignoring it, and ``kill -INT`` did nothing)
         import signal
 
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from .servers import INTERRUPTED, interrupt
+
+        INTERRUPTED.clear()
+        signal.signal(signal.SIGTERM, interrupt)
+        signal.signal(signal.SIGINT, interrupt)
     return {"collect": cmd_collect, "sql": cmd_sql, "schema": cmd_schema, "demo": cmd_demo, "analyze": cmd_analyze,
             "compare": cmd_compare, "export": cmd_export, "synth": cmd_synth, "alerts": cmd_alerts,
             "grafana": cmd_grafana, "ui": cmd_ui, "store": cmd_store, "doctor": cmd_doctor, "run": cmd_run, "sweep": cmd_sweep}[a.command](a)

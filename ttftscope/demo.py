@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .loadgen import Profile
-from .servers import Child, collector, settle, stop_all, ui_command, vllm
+from .servers import Child, check_interrupted, collector, settle, stop_all, ui_command, vllm
 
 PROFILES = [
     Profile("steady", num_prompts=60, request_rate=10, input_len=256, output_len=16),
@@ -65,6 +65,7 @@ def client_note(rows: list[tuple[str, float, float]]) -> str | None:
 
 
 def _say(step: str, msg: str) -> None:
+    check_interrupted()  # (a stop signal whose KeyboardInterrupt a finalizer dropped: stop here)
     print(f"[{step}] {msg}", flush=True)
 
 
