@@ -126,12 +126,8 @@ def kv_preemption(ctx: Context) -> list[Finding]:
     recomputed once resumed (the steps' ``ttftscope.step.recompute_tokens``): no first token
     waits on that, but it takes the token budget of the steps that do it — without a preempted
     prefill that alone is a low finding, sized by its share of the window's prefill tokens."""
-    df = ctx.df
-    rec = ctx.store.query(f"""
-        SELECT sum(toUInt64OrZero(SpanAttributes['{Attr.STEP_RECOMPUTE_TOKENS}'])) AS recomputed,
-               sum(toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}'])) AS prefill
-        FROM otel_traces WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()}""", ctx.window.params())
-    recomputed, prefill = (int(rec["recomputed"][0] or 0), int(rec["prefill"][0] or 0)) if rec.height else (0, 0)
+    df, ps = ctx.df, ctx.prefill_steps  # (the steps that computed prompt tokens: recomputes are among them)
+    recomputed, prefill = (int(ps["recompute_tokens"].sum()), int(ps["prefill_tokens"].sum())) if ps.height else (0, 0)
     waited = "gap_preempted" in df.columns and df["gap_preempted"].sum() > 0
     if not waited:
         share = recomputed / prefill if prefill else 0.0

@@ -57,11 +57,13 @@ def _per_step(tot: dict, steps: int) -> dict:
 
 def prefill_steps(store, window: Window) -> pl.DataFrame:
     """One row per engine step that computed prompt tokens: its duration (schedule start ->
-    update end, ns), its execute time, and the prompt and decode tokens it computed."""
+    update end, ns), its execute time, and the prompt and decode tokens it computed (of the prompt
+    tokens, ``recompute_tokens`` recomputed for requests a preemption had taken the KV cache from)."""
     a = lambda k: f"toUInt64OrZero(SpanAttributes['{k}'])"  # noqa: E731
     return store.query(f"""
         SELECT toInt64(Duration) AS dur_ns, toInt64({a(Attr.STEP_EXECUTE_NS)}) AS execute_ns,
-               toInt64({a(Attr.STEP_PREFILL_TOKENS)}) AS prefill_tokens, toInt64({a(Attr.STEP_DECODE_TOKENS)}) AS decode_tokens
+               toInt64({a(Attr.STEP_PREFILL_TOKENS)}) AS prefill_tokens, toInt64({a(Attr.STEP_DECODE_TOKENS)}) AS decode_tokens,
+               toInt64({a(Attr.STEP_RECOMPUTE_TOKENS)}) AS recompute_tokens
         FROM otel_traces
         WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND {a(Attr.STEP_PREFILL_TOKENS)} > 0""",
                        window.params())
