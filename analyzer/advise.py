@@ -89,6 +89,15 @@ _SEATS = ("Requests queue because every seat is taken (running requests, typical
           "the queue wait until a seat frees up removed from TTFT")
 
 
+#: queue_dominates when seats were free and no prompt was computed while requests waited
+_KV_FULL = ("Requests queue with seats free: the KV cache has no free blocks for the next prompt (vLLM admits a "
+            "request only when its prompt's blocks fit), so raising `--max-num-seqs` would not help. Give the KV "
+            "cache more memory (`--gpu-memory-utilization`, `--kv-cache-memory-bytes`, an FP8 KV cache with "
+            "`--kv-cache-dtype fp8`, tensor parallelism), keep prefix caching on, cap long outputs (`max_tokens`), "
+            "or add replicas.",
+            "the queue wait for KV-cache blocks removed from TTFT")
+
+
 #: intake_dominates when most of it is IPC, before the engine core's input thread has the request
 _IPC = ("Most of the intake is the hop from the API server to the engine core's input thread (ZMQ and "
         "msgpack): very large requests (long prompts sent as text, many images), or an engine core process "
@@ -107,6 +116,8 @@ def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
         what, effect = _ADVICE[f["kind"]]
         if f["evidence"].get("all_seats_held"):  # a queue behind running requests (bottlenecks.seats)
             what, effect = _SEATS
+        elif f["evidence"].get("kv_cache_full"):  # a queue behind a full KV cache, seats free
+            what, effect = _KV_FULL
         if f["evidence"].get("ipc_share", 0.0) > 0.5:  # intake mostly before the engine core had it
             what, effect = _IPC
         out.append({"because": f["title"], "finding": f["kind"], "severity": f["severity"], "change": what,

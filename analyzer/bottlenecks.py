@@ -58,6 +58,9 @@ def phase_dominance(ctx: Context) -> list[Finding]:
             if extra.get("all_seats_held"):
                 title += (f": while requests waited, all {extra['seats']} seats (--max-num-seqs) were held by "
                           f"running requests in {extra['full_share']:.0%} of steps")
+            elif extra.get("kv_cache_full"):
+                title += (f": while requests waited, a seat was free and no prompt was being computed in "
+                          f"{extra['kv_share']:.0%} of steps: the KV cache had no free blocks for the next prompt")
         if phase == "intake" and sev and "intake_ipc" in df.columns and df["intake_ipc"].sum() > 0:
             extra = intake_split(df)
             title += (f": {extra['ipc_share']:.0%} of it IPC (API server -> engine core's input thread), the rest "
@@ -81,25 +84,49 @@ def intake_split(df: pl.DataFrame) -> dict:
 
 
 def seats(ctx: Context) -> dict:
-    """Of the engine steps taken while requests waited: the seats (vLLM's ``max_num_seqs``)
-    and the share of those steps in which every seat was held (queueing because running
-    requests, typically long decodes, hold the seats, not because of the token budget). A merged
-    run of decode steps counts as its steps, of which it says how many held every seat."""
-    s = ctx.store.query(f"""
+    """What held the queue (:func:`admission` over the report's window)."""
+    return admission(ctx.store, ctx.window)
+
+
+#: of the steps taken while requests waited, the share above which one holder is named
+HELD_SHARE = 0.5
+
+
+def admission(store, window) -> dict:
+    """Of the engine steps taken while requests waited, what kept vLLM from admitting them.
+    vLLM's scheduler admits a waiting request when a seat (``max_num_seqs``) is free, the step's
+    token budget has room for its prompt (a chunk of it) and the KV cache has free blocks for
+    those tokens; it stops at the first one that does not fit. So a step in which requests
+    waited was held by:
+
+    * the seats (``full_share``): every seat held by running requests (typically long decodes);
+    * the KV cache (``kv_share``): a seat was free and the step computed no prompt tokens (its
+      budget all but unused: decode tokens only), so the next request's prompt had no free
+      blocks (on vLLM V1 nothing else stops admission there but a structured-output request
+      waiting for its grammar, a LoRA slot, or KV blocks from a remote prefill);
+    * the token budget: the rest, steps busy with prompt work (chunks of prompts admitted before).
+
+    A merged run of decode steps counts as its steps, of which it says how many held every seat.
+    Returns ``seats``, ``steps_waiting``, ``full_share``, ``kv_share`` and which of the first
+    two held most (``all_seats_held``, ``kv_cache_full``: a share of at least ``HELD_SHARE``)."""
+    full_row = (f"if(mapContains(SpanAttributes, '{Attr.STEP_FULL}'), toUInt64OrZero(SpanAttributes['{Attr.STEP_FULL}']),"
+                f" toUInt64(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats))")
+    s = store.query(f"""
         SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats,
                sum(greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1)) AS steps,
-               sum(if(mapContains(SpanAttributes, '{Attr.STEP_FULL}'), toUInt64OrZero(SpanAttributes['{Attr.STEP_FULL}']),
-                      toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats)) AS full
+               sum({full_row}) AS full,
+               sumIf(toInt64(greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1)) - toInt64({full_row}),
+                     toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']) = 0) AS kv
         FROM otel_traces
         WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND seats > 0
           AND toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) > 0
-        GROUP BY seats ORDER BY steps DESC LIMIT 1""", ctx.window.params())
+        GROUP BY seats ORDER BY steps DESC LIMIT 1""", window.params())
     if s.height == 0:
         return {}
     r = s.row(0, named=True)
-    full = r["full"] / r["steps"]
-    return {"seats": int(r["seats"]), "steps_waiting": int(r["steps"]), "full_share": full,
-            "all_seats_held": full >= 0.5}
+    full, kv = r["full"] / r["steps"], max(int(r["kv"]), 0) / r["steps"]
+    return {"seats": int(r["seats"]), "steps_waiting": int(r["steps"]), "full_share": full, "kv_share": kv,
+            "all_seats_held": full >= HELD_SHARE, "kv_cache_full": full < HELD_SHARE and kv >= HELD_SHARE}
 
 
 @detector("chunk_waits")

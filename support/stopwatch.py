@@ -14,7 +14,8 @@ during that request (``/proc/self/schedstat``), so a test can check its witness.
 Protocol (one JSON object per line): the parent writes ``{"port", "model", "prompt",
 "stream", "chat", "max_tokens", "ignore_eos", "cache_salt"}``; this process answers ``{"s": seconds to the
 first token in hand, "rid", "cpu_wait_ms"}`` or ``{"error": ...}``; ``{"burst": [queries]}``
-sends them all at once and answers ``{"burst": [answers]}``. The first line it writes says how it is
+sends them all at once (a query's ``after_s``: that many seconds after the others) and answers
+``{"burst": [answers]}``. The first line it writes says how it is
 scheduled: ``{"scheduling": "fifo" | "nice" | "normal"}``. ``--load PORT MODEL MAX_TOKENS`` runs a
 background client at the same priority instead; it writes ``loaded`` once its first completion
 has been served, so a parent can start timing when the load is really there.
@@ -94,6 +95,8 @@ def first_token(port: int, model: str, prompt: str, stream: bool, chat: bool = F
 
 def _timed(q: dict) -> dict:
     try:
+        if q.get("after_s"):  # (a burst's request sent this long after the others; its clock starts then)
+            time.sleep(q["after_s"])
         w0 = _cpu_wait_ms()
         s, rid = first_token(q["port"], q["model"], q["prompt"], q["stream"], q.get("chat", False),
                              q.get("max_tokens", 4), q.get("ignore_eos", False), q.get("cache_salt"))

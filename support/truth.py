@@ -377,6 +377,54 @@ def served_seats(tmp: Path, name: str, seats: int) -> tuple[pl.DataFrame, str]:
                   drive=functools.partial(drive_seats, switches=switches), extra=["--max-num-seqs", str(seats)])
 
 
+#: the KV-cache scenario's server: 15 usable blocks of 128 tokens (vLLM keeps one of the 16), seats
+#: and a token budget to spare, so that only the KV cache can hold a request back
+KV_SERVER = ["--num-gpu-blocks-override", "16", "--max-model-len", "1536", "--max-num-seqs", "8"]
+KV_BUDGET = 2048  # a held prompt is admitted whole (all its blocks at once) or not at all
+#: every worker step this much longer (a sleep: device time), so a holder's decode lasts ~1 s here
+KV_STEP_MS = 15
+#: (prompt words, tokens out) of the request that holds the KV cache and of the one held back.
+#: The holder's ~960 prompt tokens take 8 blocks (897-1024 tokens) and its 60 more stay within 8 or
+#: 9: never short of a block (no preemption). The held request's ~1000 need 8, of 7 free: it waits
+#: in the queue, a seat free, until the holder is done.
+KV_HOLDER, KV_HELD = (960, 60), (1000, 1)
+
+
+def drive_kv(srv: VllmServer, n: int = 6) -> list[dict]:
+    """Three parts on one server (``KV_SERVER``), each row with its ``part`` and the part's
+    ``since``/``until``: "alone" (``n`` long prompts, one at a time, nothing else running),
+    "held" (``n`` pairs: the holder sent, then the same kind of long prompt 0.3 s later, while the
+    holder decodes with 8 of the 15 blocks) and "after" (as alone). What the full KV cache cost
+    the held requests is their TTFT against the alone and after parts' (the same prompts' kind,
+    the same server, just before and after)."""
+    _warm(srv)
+    client_ttft(srv.port, srv.model, prompt_of(KV_HELD[0], 3000), True, max_tokens=1)  # a long prompt's first compile
+    out = []
+    for part in ("alone", "held", "after"):
+        since, rows = time.time(), []
+        for i in range(n):
+            held = {"port": srv.port, "model": srv.model, "prompt": prompt_of(KV_HELD[0], 3100 + 10 * len(out) + i),
+                    "stream": True, "max_tokens": KV_HELD[1]}
+            if part == "held":
+                holder = {"port": srv.port, "model": srv.model, "prompt": prompt_of(KV_HOLDER[0], 3500 + i),
+                          "stream": True, "max_tokens": KV_HOLDER[1], "ignore_eos": True}
+                a, b = _Stopwatch.ask({"burst": [holder, {**held, "after_s": 0.3}]})["burst"]
+                rows += [{**_row(a), "role": "holder"}, {**_row(b), "role": "held"}]
+            else:
+                rows.append({**_row(_Stopwatch.ask(held)), "role": "held"})
+            time.sleep(0.2)
+        until = time.time()
+        out += [{**r, "stream": True, "part": part, "since": since, "until": until} for r in rows]
+        time.sleep(1.0)
+    return out
+
+
+def served_kv(tmp: Path, name: str) -> tuple[pl.DataFrame, str]:
+    """``drive_kv`` on a ``KV_SERVER`` whose steps take ``KV_STEP_MS`` longer."""
+    return served(tmp, name, env={"PYTHONPATH": str(PLANTED), "PLANTED_EXECUTE_MS": str(KV_STEP_MS)},
+                  drive=drive_kv, extra=KV_SERVER, max_num_batched_tokens=KV_BUDGET)
+
+
 # the faults that one server runs one after the other (tests/planted: switched on by a
 # file named after the variable in PLANTED_SWITCH_DIR), with the load each is driven with
 FAULTS = {
@@ -549,11 +597,13 @@ def served(tmp: Path, name: str, env: dict | None = None, drive=drive, extra: li
     return joined, col.store
 
 
-def analyze(store: str, run: str, since: float | None = None, until: float | None = None) -> dict:
-    """The report on ``run`` (over the last hour, or ``since``..``until``, epoch seconds) as JSON."""
+def analyze(store: str, run: str, since: float | None = None, until: float | None = None,
+            slo: str = "p50=5000,p95=10000,p99=20000") -> dict:
+    """The report on ``run`` (over the last hour, or ``since``..``until``, epoch seconds) as JSON,
+    against TTFT targets ``slo`` (a finding's severity follows from its impact against them)."""
     window = ["--last", "1h"] if since is None else ["--since", str(since), "--until", str(until or time.time())]
     r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, *window, "--json", "--quiet",
-                        "--run", run, "--slo", "p50=5000,p95=10000,p99=20000"],
+                        "--run", run, "--slo", slo],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode in (0, 1), r.stderr  # 1: an SLO target missed (a queue wait under seats load)
     return json.loads(r.stdout)

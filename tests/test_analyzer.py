@@ -495,6 +495,39 @@ def _vllm_spans(name: str, rows: list[tuple[int, dict, int]]):
                              "", name, "Internal", "vllm", {"service.name": "vllm"}, attrs, [r[2] for r in rows])
 
 
+@pytest.mark.parametrize("held", ["seats", "kv", "budget"])
+def test_what_held_the_queue_is_read_from_the_steps_taken_while_requests_waited(tmp_path, held):
+    """Planted steps, each kind of holder the majority once: merged decode runs with every seat
+    held (``step.full``), decode runs with a seat free (nothing but a full KV cache stops vLLM
+    admitting then), and single steps computing prompt chunks (the token budget). Steps with
+    nobody waiting, and another engine's fewer steps at other seats, do not count."""
+    import time
+
+    import pyarrow as pa
+    from ttftscope.analyzer.bottlenecks import admission
+    from ttftscope.schemas.vocabulary import Attr, SpanName
+
+    now, ms = time.time_ns() - 60 * 10**9, 10**6
+    runs = {"seats": (12, 0, 0), "kv": (0, 12, 0), "budget": (0, 0, 12)}[held]
+    full_steps, kv_steps, budget_steps = (n + 2 for n in runs)  # two of each kind besides
+    base = {Attr.ENGINE: "engine-1", Attr.MAX_NUM_SEQS: 4, Attr.WAITING: 3}
+    rows = [(0, {**base, Attr.STEP_COUNT: full_steps, Attr.STEP_FULL: full_steps, Attr.RUNNING: 4,
+                 Attr.STEP_PREFILL_TOKENS: 0}, ms),
+            (10, {**base, Attr.STEP_COUNT: kv_steps, Attr.STEP_FULL: 0, Attr.RUNNING: 2, Attr.STEP_PREFILL_TOKENS: 0}, ms),
+            # nobody waiting: not a queue's step (no seats said either, as the plugin writes it)
+            (20, {Attr.ENGINE: "engine-1", Attr.STEP_COUNT: 50, Attr.RUNNING: 1, Attr.STEP_PREFILL_TOKENS: 0}, ms),
+            (30, {Attr.ENGINE: "engine-2", Attr.MAX_NUM_SEQS: 64, Attr.WAITING: 1, Attr.STEP_COUNT: 3,
+                  Attr.STEP_FULL: 0, Attr.RUNNING: 1, Attr.STEP_PREFILL_TOKENS: 0}, ms)]
+    rows += [(40 + i, {**base, Attr.RUNNING: 3, Attr.STEP_PREFILL_TOKENS: 64}, ms) for i in range(budget_steps)]
+    st = open_store(str(tmp_path / "s"))
+    st.insert_spans(pa.concat_tables([_vllm_spans(SpanName.STEP, [(now + r[0] * ms, r[1], r[2]) for r in rows])]), "t")
+    got = admission(st, Window.last(3600))
+    steps = full_steps + kv_steps + budget_steps
+    assert (got["seats"], got["steps_waiting"]) == (4, steps), got
+    assert got["full_share"] == pytest.approx(full_steps / steps) and got["kv_share"] == pytest.approx(kv_steps / steps)
+    assert (got["all_seats_held"], got["kv_cache_full"]) == (held == "seats", held == "kv"), got
+
+
 def test_a_steps_collectives_take_its_running_count_from_the_engines_step_span(tmp_path):
     """The workers' collective spans do not know how many requests ran (the plugin's carry no
     count): it comes from the engine's step span, a merged decode run covering ``step`` to
