@@ -88,7 +88,7 @@ def main() -> int:
             cont = [rid] if kind == "chunked" and not new else []  # a prompt's next chunk: a running request's
             so = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
                     scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0) for r in new],
-                    scheduled_cached_reqs=NS(req_ids=cont, num_computed_tokens=[i % 8 * 100] * len(cont),
+                    finished_req_ids=set(), scheduled_cached_reqs=NS(req_ids=cont, num_computed_tokens=[i % 8 * 100] * len(cont),
                                              resumed_req_ids=set()))
             advance = [(rid, tokens[rid])] if kind in ("prefill", "chunked") else []  # its prompt tokens this step
             out.append((new, so, [0] * waiting, advance))

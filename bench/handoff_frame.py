@@ -81,12 +81,12 @@ def records(n: int, prompt: int, rng: random.Random) -> list[tuple]:
         E._on_add(r, time.time())
         r.num_computed_tokens = prompt
         out = NS(num_scheduled_tokens={r.request_id: prompt, "d": 1},
-                 scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)],
+                 finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)],
                  total_num_scheduled_tokens=prompt + 1)
         E._on_schedule(st, sched, out, time.time(), time.time())
         E._on_step_done(st, sched, out, time.time(), time.time())
         for _ in range(5):
-            out = NS(num_scheduled_tokens={"d": 1}, scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], total_num_scheduled_tokens=1)
+            out = NS(num_scheduled_tokens={"d": 1}, finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], total_num_scheduled_tokens=1)
             E._on_schedule(st, sched, out, time.time(), time.time())
             E._on_step_done(st, sched, out, time.time(), time.time())
         E.flush_decode_run(st)

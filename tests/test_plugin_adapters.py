@@ -123,7 +123,7 @@ def test_a_failing_step_hook_turns_the_step_hooks_off_and_never_reaches_vllm(mon
     outputs = []
 
     def schedule(self, *a, **kw):  # stands in for vLLM's methods (no engine here)
-        out = SimpleNamespace(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+        out = SimpleNamespace(finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
         outputs.append(out)
         return out
 
@@ -262,7 +262,7 @@ def test_outputs_carry_the_step_number_only_where_the_workers_use_it(monkeypatch
     sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
 
     def one_step() -> SimpleNamespace:
-        out = SimpleNamespace(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+        out = SimpleNamespace(finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
         E._on_schedule(E.ST, sched, out, 1.0, 1.001)
         E._on_step_done(E.ST, sched, out, 1.010, 1.012)
         return out
@@ -414,7 +414,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
 
     def step(t: float, tokens: dict, new=(), waiting=0, sch=0.001, exe=0.010, upd=0.002):
         out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
-                 scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=sched.requests[r].num_computed_tokens) for r in new])
+                 finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=sched.requests[r].num_computed_tokens) for r in new])
         sched.waiting = [0] * waiting
         for r, n in tokens.items():
             if r in sched.requests:
@@ -424,7 +424,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
         drain()
 
     for i in range(10):  # decode steps 1..10, 3 running, 5 ms idle between them
-        out = NS(num_scheduled_tokens={"a": 1, "b": 1, "c": 1}, scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], total_num_scheduled_tokens=3)
+        out = NS(num_scheduled_tokens={"a": 1, "b": 1, "c": 1}, finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], total_num_scheduled_tokens=3)
         t = 1.0 + i * 0.018
         E._on_schedule(st, sched, out, t, t + 0.001)
         E._on_step_done(st, sched, out, t + 0.011, t + 0.013)
@@ -534,10 +534,11 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
             assert not E.ships()
         assert E.ships()
 
-    def step(t: float, tokens: dict, new=(), finished=(), resumed=()) -> None:
+    def step(t: float, tokens: dict, new=(), finished=(), resumed=(), aborted=()) -> None:
         """vLLM's schedule(): snapshots, then the requests advanced; update_from_output() frees
         what finished; our hooks around both, on the 'loop'. ``resumed``: requests back from
-        preemption, among the cached ones (vLLM's V1 model runner)."""
+        preemption, among the cached ones (vLLM's V1 model runner); ``aborted``: requests that
+        went away since the step before (the output's ``finished_req_ids``)."""
         for r in new:
             sched.requests[r.request_id] = r
             E._on_add(r, t - 0.05)
@@ -545,6 +546,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         cached_ids = [i for i in tokens if i not in {r.request_id for r in new}]
         out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
                  scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in new],
+                 finished_req_ids=set(aborted),
                  scheduled_cached_reqs=NS(req_ids=cached_ids, num_computed_tokens=[rq[i].num_computed_tokens
                                                                                  for i in cached_ids],
                                           resumed_req_ids=set(resumed)))
@@ -572,9 +574,9 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     monkeypatch.setattr(E, "STALE_PREFILL_STEPS", 2)
     gone = Req("gone-0-deadbeef", 3000, 0)
     step(1.4, {"gone-0-deadbeef": 1024, "dec-0-deadbeef": 1}, new=[gone])
-    sched.requests.pop(gone.request_id)  # aborted mid-prefill
+    sched.requests.pop(gone.request_id)  # aborted mid-prefill: vLLM says so in the next step's output
     sched._inflight_prefills.discard(gone)
-    step(1.5, {"dec-0-deadbeef": 1})
+    step(1.5, {"dec-0-deadbeef": 1}, aborted=[gone.request_id])
     step(1.6, {"dec-0-deadbeef": 1})
     late = Req("late-0-deadbeef", 20, 0)
     step(1.7, {"late-0-deadbeef": 20, "dec-0-deadbeef": 1}, new=[late])
@@ -586,6 +588,11 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     pre.num_computed_tokens = 0
     sched._inflight_prefills.discard(pre)
     step(1.9, {"dec-0-deadbeef": 1})
+    step(1.91, {"dec-0-deadbeef": 1})
+    # it waits for blocks longer than a prefill in progress may go without a chunk (STALE_PREFILL_STEPS,
+    # 2 here): where vLLM cannot be asked whether it is gone (the sidecar), it must not be let go
+    mid = Req("mid-0-deadbeef", 20, 0)
+    step(1.92, {"mid-0-deadbeef": 20, "dec-0-deadbeef": 1}, new=[mid])
     pre.num_computed_tokens = 128
     step(2.0, {"pre-0-deadbeef": 126, "dec-0-deadbeef": 1}, resumed=["pre-0-deadbeef"])
     step(2.1, {"pre-0-deadbeef": 46, "dec-0-deadbeef": 1})
@@ -620,24 +627,25 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
                   s[3][Attr.TOKENS_CACHED]) for s in spans if s[0] == SpanName.PREFILL)
     assert pre == [("gone-0", 0, 5, 1024, 0), ("late-0", 0, 8, 20, 0), ("long-0", 0, 1, 1024, 0),
                    ("long-0", 1, 2, 1024, 0), ("long-0", 2, 3, 1, 0),
-                   ("pre-0", 0, 9, 157, 0), ("pre-0", 1, 11, 126, 0), ("pre-0", 2, 12, 46, 0),
+                   ("mid-0", 0, 12, 20, 0), ("pre-0", 0, 9, 157, 0), ("pre-0", 1, 13, 126, 0), ("pre-0", 2, 14, 46, 0),
                    ("short-0", 0, 2, 24, 16)], pre
     resumed = [(s[3][Attr.REQUEST_ID], s[3][Attr.CHUNK]) for s in spans
                if s[0] == SpanName.PREFILL and s[3].get(Attr.PREFILL_RESUMED)]
     assert resumed == [("pre-0", 1)], "the chunk after a preemption says so (the wait before it was the preemption's)"
     queued = sorted((s[3][Attr.REQUEST_ID], s[1], s[2]) for s in spans if s[0] == SpanName.QUEUE)
-    assert [q[0] for q in queued] == ["gone-0", "late-0", "long-0", "pre-0", "short-0"], "queued once each"
-    assert queued[2:3] + queued[4:] == [("long-0", 0.95, 1.0), ("short-0", pytest.approx(1.05), 1.1)]
+    assert [q[0] for q in queued] == ["gone-0", "late-0", "long-0", "mid-0", "pre-0", "short-0"], "queued once each"
+    assert queued[2:3] + queued[5:] == [("long-0", 0.95, 1.0), ("short-0", pytest.approx(1.05), 1.1)]
     steps = sorted((s[3][Attr.STEP], s[3].get(Attr.STEP_LAST), s[3][Attr.STEP_PREFILL_TOKENS],
                     s[3][Attr.STEP_DECODE_TOKENS]) for s in spans if s[0] == SpanName.STEP)
     assert steps == [(1, None, 1024, 0), (2, None, 1048, 0), (3, None, 1, 1), (4, 4, 0, 2),
-                     (5, None, 1024, 1), (6, 7, 0, 2), (8, None, 20, 1), (9, None, 157, 1), (10, 10, 0, 1),
-                     (11, None, 126, 1), (12, None, 46, 1), (13, None, 8, 0), (14, None, 3, 1), (15, 15, 0, 1)], steps
+                     (5, None, 1024, 1), (6, 7, 0, 2), (8, None, 20, 1), (9, None, 157, 1), (10, 11, 0, 2),
+                     (12, None, 20, 1), (13, None, 126, 1), (14, None, 46, 1), (15, None, 8, 0), (16, None, 3, 1),
+                     (17, 17, 0, 1)], steps
     recomputed = {s[3][Attr.STEP]: s[3][Attr.STEP_RECOMPUTE_TOKENS] for s in spans
                   if s[0] == SpanName.STEP and Attr.STEP_RECOMPUTE_TOKENS in s[3]}
-    assert recomputed == {13: 8, 14: 3}, "the recompute is prefill-shaped work of no request's prefill"
+    assert recomputed == {15: 8, 16: 3}, "the recompute is prefill-shaped work of no request's prefill"
     assert st.chunks == {} and not st.recomputes and not st.after_prompt, \
-        "every prefill and recompute sorted out to its end, the aborted one let go"
+        "every prefill and recompute sorted out to its end, the aborted one let go (vLLM said so)"
 
 
 def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go_when_backed_up(monkeypatch):
@@ -672,7 +680,7 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     def step(t: float, reqs) -> list[tuple]:
         tokens = {r.request_id: 100 for r in reqs}
         out = NS(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
-                 scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in reqs])
+                 finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r in reqs])
         for r in reqs:
             sched.requests[r.request_id] = r
             r.num_computed_tokens = 100
@@ -700,7 +708,7 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
         q.add("filler", 1.0, 2.0, {})
     r3 = req(3)
     step_out = NS(num_scheduled_tokens={r3.request_id: 100},
-                  scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r3.request_id, num_computed_tokens=0)],
+                  finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r3.request_id, num_computed_tokens=0)],
                   total_num_scheduled_tokens=100)
     sched.requests[r3.request_id] = r3
     r3.num_computed_tokens = 100
@@ -744,7 +752,7 @@ def test_with_async_scheduling_a_step_executes_from_when_the_one_before_is_back(
                 E._on_add(r, t - 0.5)
                 sched.requests[r.request_id] = r
                 outs[k] = NS(num_scheduled_tokens={r.request_id: 100}, total_num_scheduled_tokens=100,
-                             scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)])
+                             finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[NS(req_id=r.request_id, num_computed_tokens=0)])
                 r.num_computed_tokens = 100
                 E._on_schedule(st, sched, outs[k], t, t + 0.001)
             else:
@@ -985,7 +993,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
             tokens[r.request_id] = r.num_prompt_tokens
             r.num_computed_tokens = r.num_prompt_tokens
         admit.clear()
-        return NS(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=new, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()))
+        return NS(finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=new, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()))
 
     def update(self, scheduler_output, *a, **kw):
         calls["update"] += 1
@@ -1091,7 +1099,7 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
 
     S = sched_mod.Scheduler
     for name, fn in (("add_request", lambda self, r: None),
-                     ("schedule", lambda self, *a, **kw: NS(scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1},
+                     ("schedule", lambda self, *a, **kw: NS(finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], num_scheduled_tokens={"a": 1},
                                                             total_num_scheduled_tokens=1)),
                      ("update_from_output", lambda self, out, *a, **kw: "updated")):
         monkeypatch.setattr(S, name, fn)  # vLLM's methods, standing in (no engine here)

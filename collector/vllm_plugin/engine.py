@@ -175,12 +175,14 @@ class _ChainOf:
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
-#: (step, t0, t1, admitted or None, running, waiting, resumed_reqs): admitted, for a step that may
-#: carry prompt tokens, is its new requests' ``(request id, Request, PrefillStats, tokens computed
-#: before)`` (the id and the count read from vLLM's ``NewRequestData``, which is not kept); None
-#: for a decode-only step; resumed_reqs: the requests it resumed after a preemption ``(request id,
-#: its tokens, prompt and generated, if it was preempted in its decode, else 0)``, read on the loop
-#: only in such a step
+#: (step, t0, t1, admitted or None, running, waiting, resumed_reqs, finished): admitted, for a step
+#: that may carry prompt tokens, is its new requests' ``(request id, Request, PrefillStats, tokens
+#: computed before)`` (the id and the count read from vLLM's ``NewRequestData``, which is not kept);
+#: None for a decode-only step; resumed_reqs: the requests it resumed after a preemption ``(request
+#: id, its tokens, prompt and generated, if it was preempted in its decode, else 0)``, read on the
+#: loop only in such a step; finished: for a step that may carry prompt tokens, vLLM's set of the
+#: requests that finished or were aborted since the step before (``finished_req_ids``: a prefill in
+#: progress ends there when its client went away), else None
 PendingStep = tuple
 
 
@@ -218,7 +220,12 @@ _RUN_FIELDS = operator.attrgetter(*DecodeRun.__slots__)  # the fields, in order 
 WorkStep = tuple
 
 #: a prefill in progress with no chunk for this many steps, its request gone from vLLM: let go
+#: (checked every this many steps, where vLLM's scheduler can be asked: in its process)
 STALE_PREFILL_STEPS = 1024
+#: prefills in progress remembered at most where vLLM's scheduler cannot be asked whether a request
+#: is gone (the export sidecar's copy of the steps): one preempted mid-prefill may wait thousands of
+#: steps for KV-cache blocks and come back; beyond this many, the longest without a chunk let go
+PREFILLS_MAX = 4096
 
 #: requests a sorter of handed-over steps remembers as queued already (:attr:`EngineState.seen`)
 SEEN_MAX = 65_536
@@ -252,6 +259,7 @@ class EngineState:
     #: ends it samples a new token; the step of its last chunk)
     recomputes: dict[str, tuple] = field(default_factory=dict)
     after_prompt: bool = False  # prompts in progress after the last step (vLLM's own set): the next step is kept
+    pruned: int = 0  # the step at which prefills in progress were last checked for requests gone (``_let_go``)
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
     #: steps as the engine loop leaves them (``DecodeStep``, ``WorkStep``; None: the open run ends
     #: there; ``(start, end)``: a stretch of steps not watched), sorted out and folded into runs off the loop (:func:`fold_steps`: the step-flush
@@ -301,6 +309,7 @@ ST = EngineState()
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_cached_reqs", "attribute"),
+                    Internal("vllm.v1.core.sched.output", "SchedulerOutput.finished_req_ids", "attribute"),
                     Internal("vllm.v1.core.sched.output", "NewRequestData.req_id", "attribute"),
                     Internal("vllm.v1.core.sched.output", "NewRequestData.num_computed_tokens", "attribute"),
                     Internal("vllm.v1.core.sched.output", "CachedRequestData.req_ids", "attribute"),
@@ -531,8 +540,10 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     # first resumed chunk was counted as decode tokens, seen on real vLLM with a small KV cache)
     resumed = out.scheduled_cached_reqs.resumed_req_ids
     resumed_reqs = ()
+    finished = None
     if new or st.after_prompt or resumed:
         admitted = []
+        finished = out.finished_req_ids  # (vLLM's own set, made anew every step)
         requests = sched.requests
         for n in new:
             r = requests.get(n.req_id)
@@ -545,22 +556,30 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     # prompts (or recomputes) still in progress after this step
     st.after_prompt = bool(sched._inflight_prefills)
     pending = st.pending
-    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting), resumed_reqs)
+    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting), resumed_reqs, finished)
     if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 
 
 def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_computed: list, admitted: list,
-                  step: int, resumed_reqs: tuple = ()) -> tuple[list[Chunk], list[tuple], int] | None:
+                  step: int, resumed_reqs: tuple = (), finished=None) -> tuple[list[Chunk], list[tuple], int] | None:
     """The prefill chunks of a step (``Chunk``), the requests scheduled for the first time
     ``(queued at, input thread had it or None, request id, external id, priority, trace
     headers)``, and its recomputed tokens (:func:`_recomputed`); None when there are none of
     them. Off the engine loop (the step-flush thread, in step order): the tokens each request
     had computed before the step are the output's own snapshots (``NewRequestData`` /
     ``CachedRequestData.num_computed_tokens``, read when the step was logged); a request's later
-    chunks are those of a request whose prefill is in progress (``st.chunks``)."""
+    chunks are those of a request whose prefill is in progress (``st.chunks``), until its last
+    chunk, or until vLLM says it finished (``finished``: aborted mid-prefill) or it is let go
+    (:func:`_let_go`)."""
     chunks, queued = [], []
     progress = st.chunks
+    if finished and (progress or st.recomputes):
+        for req_id in finished:
+            progress.pop(req_id, None)
+            st.recomputes.pop(req_id, None)
+    if progress and step - st.pruned >= STALE_PREFILL_STEPS:
+        _let_go(st, sched, step)
     todo = list(admitted)  # (request id, Request, PrefillStats, tokens computed before), as logged
     cached = dict(zip(cached_ids, cached_computed, strict=False)) if progress or resumed_reqs or st.recomputes \
         else None
@@ -569,20 +588,13 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
     # runner), or new again (a request in progress scheduled as new): their next chunk says so
     again = {i for i, t in resumed_reqs if not t} | {t[0] for t in admitted if t[0] in progress} \
         if resumed_reqs or progress else ()
-    if progress:  # prefills in progress: their next chunks (a request resumed after preemption may be new again)
+    if progress:  # prefills in progress: their next chunks, among the step's running requests (one
+        # resumed after a preemption may be new again: then it is admitted)
         seen = {t[0] for t in todo}
-        for req_id, (_, req, last) in list(progress.items()):
-            if req_id in seen:
-                continue
-            b = cached.get(req_id)
-            if b is None:
-                # aborted mid-prefill: vLLM has let it go and it has had no chunk for long (it is
-                # checked now, later than this step: a request gone now may still have chunks in
-                # steps logged after this one, but not after so long a gap)
-                if step - last > STALE_PREFILL_STEPS and req_id not in sched.requests:
-                    del progress[req_id]
-                continue
-            todo.append((req_id, req, None, b))
+        for req_id in cached_ids:
+            got = progress.get(req_id)
+            if got is not None and req_id not in seen:
+                todo.append((req_id, got[1], None, cached[req_id]))
     for req_id, req, ps, prior in todo:
         th = req.trace_headers
         if not sampled(th):
@@ -607,7 +619,7 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
             continue
         idx = progress[req_id][0] if req_id in progress else 0
         if prior + n < prompt:
-            progress[req_id] = (idx + 1, req, step)
+            progress[req_id] = (idx + 1, req if req.__class__ is InPrefill else InPrefill(req, th, external), step)
         elif idx:  # its last chunk
             del progress[req_id]
         if idx:
@@ -619,6 +631,33 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
                        0, th, external, PrefixHashes(toks) if toks is not None and len(toks) >= PREFIX_BLOCK else None,
                        sched.block_size, False))
     return (chunks, queued, recompute) if chunks or queued or recompute else None
+
+
+class InPrefill:
+    """What a prompt's later chunks read of its request (the first chunk read the rest): kept while
+    its prefill is in progress, in place of vLLM's ``Request`` (or its plain copy) and its prompt."""
+
+    __slots__ = ("trace_headers", "external_req_id", "num_prompt_tokens")
+
+    def __init__(self, req, th, external) -> None:
+        self.trace_headers, self.external_req_id, self.num_prompt_tokens = th, external, req.num_prompt_tokens
+
+
+def _let_go(st: EngineState, sched, step: int) -> None:
+    """Prefills in progress with no chunk for ``STALE_PREFILL_STEPS`` steps whose request vLLM's
+    scheduler no longer has (aborted mid-prefill, its end not seen in a logged step) let go; checked
+    now, later than ``step``'s own time, so a request gone now may still have chunks in steps logged
+    after it, but not after so long a gap. Where the scheduler cannot be asked (the export sidecar's
+    plain copy: ``requests`` None) a request preempted mid-prefill may be waiting for blocks: kept,
+    up to ``PREFILLS_MAX`` (then those longest without a chunk go first)."""
+    st.pruned = step
+    progress, known = st.chunks, sched.requests
+    if known is not None:
+        for req_id in [i for i, (_, _, last) in progress.items() if step - last > STALE_PREFILL_STEPS and i not in known]:
+            del progress[req_id]
+    if len(progress) > PREFILLS_MAX:
+        for req_id in sorted(progress, key=lambda i: progress[i][2])[:len(progress) - PREFILLS_MAX]:
+            del progress[req_id]
 
 
 def _recomputed(st: EngineState, ns: dict, cached: dict, resumed_reqs: tuple, step: int) -> int:
@@ -792,9 +831,9 @@ def _work_step(st: EngineState, w: WorkStep):
     or requests first scheduled, its spans (built on the export thread) and None (the open
     run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
     nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
-    (step, t0, t1, admitted, running, waiting, resumed_reqs), ns, total, cached_ids, cached_computed, sched, prev_u0, \
-        t_u0, t_u1, prev_end = w
-    work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step, resumed_reqs)
+    (step, t0, t1, admitted, running, waiting, resumed_reqs, finished), ns, total, cached_ids, cached_computed, sched, \
+        prev_u0, t_u0, t_u1, prev_end = w
+    work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step, resumed_reqs, finished)
     if work is None:
         if total:
             return (step, t0, t1, prev_u0, t_u0, t_u1, prev_end, total, running, waiting,
@@ -1021,13 +1060,13 @@ class PlainStats:
 
 
 class PlainScheduler:
-    """What the sorting reads of vLLM's scheduler (``requests`` is not handed over: a prefill
-    in progress with no chunk for ``STALE_PREFILL_STEPS`` steps is let go without asking it)."""
+    """What the sorting reads of vLLM's scheduler (``requests`` is not handed over, None: whether a
+    request is gone is not known here, :func:`_let_go`)."""
 
     __slots__ = ("block_size", "max_num_running_reqs", "requests")
 
     def __init__(self, block_size, max_num_running_reqs) -> None:
-        self.block_size, self.max_num_running_reqs, self.requests = block_size, max_num_running_reqs, ()
+        self.block_size, self.max_num_running_reqs, self.requests = block_size, max_num_running_reqs, None
 
 
 def _plain_request(r) -> tuple:
