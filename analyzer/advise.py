@@ -94,7 +94,9 @@ _KV_FULL = ("Requests queue with seats free: the KV cache has no free blocks for
             "request only when its prompt's blocks fit), so raising `--max-num-seqs` would not help. Give the KV "
             "cache more memory (`--gpu-memory-utilization`, `--kv-cache-memory-bytes`, an FP8 KV cache with "
             "`--kv-cache-dtype fp8`, tensor parallelism), keep prefix caching on, cap long outputs (`max_tokens`), "
-            "or add replicas.",
+            "or add replicas. (vLLM holds requests back with seats free for a few other reasons, which the steps "
+            "alone do not tell apart: chunked prefill turned off, an engine paused, data-parallel prefill "
+            "balancing, requests waiting for a structured-output grammar, a LoRA slot or remote KV.)",
             "the queue wait for KV-cache blocks removed from TTFT")
 
 

@@ -102,8 +102,11 @@ def admission(store, window) -> dict:
     * the seats (``full_share``): every seat held by running requests (typically long decodes);
     * the KV cache (``kv_share``): a seat was free and the step computed no prompt tokens (its
       budget all but unused: decode tokens only), so the next request's prompt had no free
-      blocks (on vLLM V1 nothing else stops admission there but a structured-output request
-      waiting for its grammar, a LoRA slot, or KV blocks from a remote prefill);
+      blocks. On vLLM V1 (0.32's ``Scheduler.schedule``) the other reasons admission stops
+      there are rarer and set up by flags: chunked prefill off (a prompt over the budget the
+      decodes left), a paused engine, data-parallel prefill balancing, a preemption in the same
+      step, and requests waiting for a structured-output grammar, a LoRA slot or remote KV
+      (the advice says so);
     * the token budget: the rest, steps busy with prompt work (chunks of prompts admitted before).
 
     A merged run of decode steps counts as its steps, of which it says how many held every seat.
