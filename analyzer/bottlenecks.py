@@ -54,7 +54,7 @@ def phase_dominance(ctx: Context) -> list[Finding]:
         sev = "high" if share >= 0.5 and slo_broken else "medium" if share >= 0.3 else "low" if share >= 0.15 else None
         title, extra = f"{LABELS[phase]} is {share:.0%} of {where}", {}
         if phase == "queue" and sev:
-            extra = seats(ctx)
+            extra = admission(ctx.store, ctx.window)
             if extra.get("all_seats_held"):
                 title += (f": while requests waited, all {extra['seats']} seats (--max-num-seqs) were held by "
                           f"running requests in {extra['full_share']:.0%} of steps")
@@ -83,11 +83,6 @@ def intake_split(df: pl.DataFrame) -> dict:
             "loop_wait_ms_p50": r["wait_p50"]}
 
 
-def seats(ctx: Context) -> dict:
-    """What held the queue (:func:`admission` over the report's window)."""
-    return admission(ctx.store, ctx.window)
-
-
 #: of the steps taken while requests waited, the share above which one holder is named
 HELD_SHARE = 0.5
 
@@ -112,22 +107,21 @@ def admission(store, window) -> dict:
     A merged run of decode steps counts as its steps, of which it says how many held every seat.
     Returns ``seats``, ``steps_waiting``, ``full_share``, ``kv_share`` and which of the first
     two held most (``all_seats_held``, ``kv_cache_full``: a share of at least ``HELD_SHARE``)."""
-    full_row = (f"if(mapContains(SpanAttributes, '{Attr.STEP_FULL}'), toUInt64OrZero(SpanAttributes['{Attr.STEP_FULL}']),"
-                f" toUInt64(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats))")
     s = store.query(f"""
-        SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats,
-               sum(greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1)) AS steps,
-               sum({full_row}) AS full,
-               sumIf(toInt64(greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1)) - toInt64({full_row}),
-                     toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']) = 0) AS kv
-        FROM otel_traces
-        WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND seats > 0
-          AND toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) > 0
+        SELECT seats, sum(n) AS steps, sum(f) AS full_steps, sumIf(n - f, prompt = 0) AS kv
+        FROM (SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats,
+                     greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1) AS n,
+                     if(mapContains(SpanAttributes, '{Attr.STEP_FULL}'), toUInt64OrZero(SpanAttributes['{Attr.STEP_FULL}']),
+                        toUInt64(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats)) AS f,
+                     toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']) AS prompt
+              FROM otel_traces
+              WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND seats > 0
+                AND toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) > 0)
         GROUP BY seats ORDER BY steps DESC LIMIT 1""", window.params())
     if s.height == 0:
         return {}
     r = s.row(0, named=True)
-    full, kv = r["full"] / r["steps"], max(int(r["kv"]), 0) / r["steps"]
+    full, kv = r["full_steps"] / r["steps"], r["kv"] / r["steps"]  # (a run's full steps are among its steps)
     return {"seats": int(r["seats"]), "steps_waiting": int(r["steps"]), "full_share": full, "kv_share": kv,
             "all_seats_held": full >= HELD_SHARE, "kv_cache_full": full < HELD_SHARE and kv >= HELD_SHARE}
 
