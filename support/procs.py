@@ -20,7 +20,7 @@ from ttftscope.servers import Child, free_port, vllm_args, vllm_env
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-__all__ = ["ROOT", "PY", "free_port", "wait_http", "rss_mb", "cpu_s", "threads_cpu_s", "CollectorProc", "ttftscope_sql", "ClickHouseFixture", "VllmServer"]
+__all__ = ["ROOT", "PY", "free_port", "wait_http", "rss_mb", "cpu_s", "threads_cpu_s", "still_running", "CollectorProc", "ttftscope_sql", "ClickHouseFixture", "VllmServer"]
 
 
 def rss_mb(pid: int) -> float:
@@ -56,6 +56,20 @@ def threads_cpu_s(pid: int) -> dict[str, float]:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         out[name] = out.get(name, 0.0) + _stat_cpu_s(stat)
+    return out
+
+
+def still_running(pids) -> list[int]:
+    """The ``pids`` that are running (a zombie, or one that ends while it is looked at, is not)."""
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
     return out
 
 

@@ -14,6 +14,7 @@ from support.procs import (  # noqa: F401 - the tests import these from here
     CollectorProc,
     VllmServer,
     free_port,
+    still_running,
     ttftscope_sql,
     wait_http,
 )

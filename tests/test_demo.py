@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import requests
-from conftest import PY, ROOT, CollectorProc, VllmServer, free_port, ttftscope_sql
+from conftest import PY, ROOT, CollectorProc, VllmServer, free_port, still_running, ttftscope_sql
 from ttftscope.schemas.vocabulary import Attr, SpanName
 
 
@@ -39,18 +39,19 @@ def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans
         kids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert kids, "the UI runs as a child"
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        assert proc.wait(120) in (0, 130)
+        rc = proc.wait(120)
+        assert rc in (0, 130), f"exit status {rc}:\n" + "".join(lines[-40:])
     finally:
         if proc.poll() is None:
             proc.kill()
     time.sleep(1)
-    alive = [p for p in kids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"children left behind: {alive}"
+    alive = still_running(kids)
+    assert not alive, f"children left behind: {alive}\n" + "".join(lines[-40:])
     out = "".join(lines)
     for step in ("[1/6]", "[2/6]", "[3/6]", "[4/6", "[5/6]", "[6/6]"):
         assert step in out, "progress is shown throughout"
-    burst = next(line for line in lines if line.startswith("burst"))
-    assert "queue" in burst.lower(), f"the burst's main cause is queueing: {burst}"
+    burst = next((line for line in lines if line.startswith("burst")), None)
+    assert burst is not None and "queue" in burst.lower(), f"the burst's main cause is queueing: {burst}\n{out}"
     names = {r["SpanName"] for r in ttftscope_sql(store, "SELECT DISTINCT SpanName FROM otel_traces")}
     for span in ("llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver",
                  "ttftscope.allreduce", "ttftscope.process", "Load model"):
@@ -101,8 +102,7 @@ def test_a_signal_stops_the_demo_and_every_child_it_started(tmp_path, how):
             proc.send_signal(sig)
         assert proc.wait(120) == 130, "".join(lines)
         time.sleep(1)
-        alive = [(pid, cmd) for pid, cmd in kids.items()
-                 if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        alive = [(pid, kids[pid]) for pid in still_running(kids)]
         assert not alive, f"children left behind: {alive}"
     finally:
         if proc.poll() is None:

@@ -4,8 +4,8 @@ goes away mid-profile stops it at once instead of after the rest of its schedule
 
 from __future__ import annotations
 
-import psutil
 import pytest
+from conftest import still_running
 
 from ttftscope import loadgen
 from ttftscope.loadgen import Profile, ServerGone, run_profile
@@ -41,7 +41,7 @@ def test_a_server_gone_mid_profile_stops_the_benchmark(monkeypatch, tmp_path):
         run_profile("http://127.0.0.1:9", "m", Profile(name="p"), alive=alive)
     assert len(checks) == 2 + loadgen.GONE_CHECKS, "stopped after that many failed checks in a row, not before"
     pid = int(pid_file.read_text())
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "the benchmark stopped"
+    assert not still_running([pid]), "the benchmark stopped"
 
 
 def test_a_busy_moment_does_not_stop_it(monkeypatch):
