@@ -49,6 +49,7 @@ def main() -> int:
 
     from ttftscope.collector.otel_setup import DeferredSpans
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import HANDOFF_HEADER
 
@@ -102,7 +103,7 @@ def main() -> int:
         (this harness). With ``hooks``, the work on the logged steps (prompt tokens sorted out,
         decode steps folded into runs; every 40 steps here, ~0.25 s of steps) is timed apart: it
         runs off the loop (in the export sidecar, or on the step-flush thread where there is none)."""
-        st = E.EngineState()
+        st = SP.EngineState()
         sched, plan = steps(kind, n)
         on_add, on_schedule, on_done = ((E._on_add, E._on_schedule, E._on_step_done) if mode == "hooks"
                                         else (nothing, nothing, nothing))
@@ -141,11 +142,11 @@ def main() -> int:
                 q.take(len(q))
             if hooked and len(st.log) >= 40:
                 f0 = time.thread_time()
-                E.flush_decode_run(st, idle_s=0.25)
+                SP.flush_decode_run(st, idle_s=0.25)
                 fold += time.thread_time() - f0
         if mode == "hooks":
             f0 = time.thread_time()
-            E.flush_decode_run(st)
+            SP.flush_decode_run(st)
             fold += time.thread_time() - f0
             fold_cpu.setdefault(kind, []).append(fold)
         cpu = time.thread_time() - c0 - fold

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ttftscope.collector.handoff import dump_frame  # noqa: E402
 from ttftscope.collector.otel_setup import DeferredSpans, expand  # noqa: E402
 from ttftscope.collector.vllm_plugin import engine as E  # noqa: E402
+from ttftscope.collector.vllm_plugin import steps as SP
+from ttftscope.collector.vllm_plugin.prefix import PrefixHashes  # noqa: E402
 from ttftscope.collector.vllm_plugin.runtime import RT  # noqa: E402
 from ttftscope.schemas.vocabulary import HANDOFF_HEADER, PREFIX_BLOCK  # noqa: E402
 
@@ -44,12 +46,12 @@ NO_CACHED = NS(req_ids=[], num_computed_tokens=[], resumed_req_ids=set())
 def _as_array(code: str, toks: bytes, hashes):
     a = array(code)
     a.frombytes(toks)
-    ph = E.PrefixHashes(a.tolist())
+    ph = PrefixHashes(a.tolist())
     ph._hashes = hashes
     return ph
 
 
-class ArrayPrefixHashes(E.PrefixHashes):
+class ArrayPrefixHashes(PrefixHashes):
     """The previous hand-off: the whole blocks' ids as an array of C ints (the baseline)."""
 
     __slots__ = ()
@@ -67,7 +69,7 @@ def records(n: int, prompt: int, rng: random.Random) -> list[tuple]:
     step of its own (intake, queue, prefill, the step), then five decode steps (a run)."""
     q = DeferredSpans(tracer=None, max_queue=10**9, max_batch=10**9)
     RT.deferred = q
-    st = E.EngineState()
+    st = SP.EngineState()
     sched = NS(requests={}, running=[1] * 8, waiting=[], max_num_running_reqs=256, block_size=16,
                _inflight_prefills=set())
     for i in range(n):
@@ -89,7 +91,7 @@ def records(n: int, prompt: int, rng: random.Random) -> list[tuple]:
             out = NS(num_scheduled_tokens={"d": 1}, finished_req_ids=set(), scheduled_cached_reqs=NO_CACHED, scheduled_new_reqs=[], total_num_scheduled_tokens=1)
             E._on_schedule(st, sched, out, time.time(), time.time())
             E._on_step_done(st, sched, out, time.time(), time.time())
-        E.flush_decode_run(st)
+        SP.flush_decode_run(st)
     return q.take(len(q))
 
 
@@ -100,9 +102,9 @@ def as_baseline(recs: list[tuple]) -> list[tuple]:
 
     out = []
     for name, s, e, attrs, parent in recs:
-        if name is None:  # a group: (build, args) whose args[E.WORK_ARG] is (chunks, queued)
+        if name is None:  # a group: (build, args) whose args[SP.WORK_ARG] is (chunks, queued)
             build, args = attrs
-            w = E.WORK_ARG
+            w = SP.WORK_ARG
             work = args[w]
             if work is not None:
                 chunks = [(*c[:6], swap(c[6]), c[7]) for c in work[0]]
@@ -114,8 +116,8 @@ def as_baseline(recs: list[tuple]) -> list[tuple]:
 
 def load_and_hash(frame: bytes) -> list[list[str]]:
     """The sidecar's side of a frame: unpickle it, then every admitted prompt's prefix hashes."""
-    return [c[6].hashes() for r in pickle.loads(frame) if r[0] is None  # a group: args[E.WORK_ARG] is (chunks, queued)
-            for c in (r[3][1][E.WORK_ARG] or ((), ()))[0] if c[6] is not None]
+    return [c[6].hashes() for r in pickle.loads(frame) if r[0] is None  # a group: args[SP.WORK_ARG] is (chunks, queued)
+            for c in (r[3][1][SP.WORK_ARG] or ((), ()))[0] if c[6] is not None]
 
 
 def pair_us(f, x, y, rounds: int) -> tuple[float, float]:
@@ -133,7 +135,7 @@ def hashed_here_us(recs: list[tuple], rounds: int) -> float:
     """CPU (us) of the alternative: the prefix hashes computed in the serving process, then the
     frame pickled with the hashes instead of the ids (the least of ``rounds``; the records are
     left as they were)."""
-    phs = [c[6] for r in recs if r[0] is None for c in (r[3][1][E.WORK_ARG] or ((), ()))[0] if c[6] is not None]
+    phs = [c[6] for r in recs if r[0] is None for c in (r[3][1][SP.WORK_ARG] or ((), ()))[0] if c[6] is not None]
     toks = [ph.toks for ph in phs]
     best = float("inf")
     for _ in range(rounds + 1):

@@ -104,7 +104,7 @@ def _dispatch_table() -> dict:
 
 #: class -> ``reduce(obj)``: a serving process's object handed over as the plain values the
 #: sidecar needs (``__reduce__``'s form), registered by the adapters whose records hold them
-#: (``vllm_plugin.engine``: vLLM's Request, PrefillStats and scheduler, in the logged steps);
+#: (``vllm_plugin.steps_handoff``: vLLM's Request, PrefillStats and scheduler, in the logged steps);
 #: read while the frame is written, on the export thread, never on vLLM's threads
 PLAIN: dict = {}
 

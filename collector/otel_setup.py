@@ -90,7 +90,7 @@ def attributes(attrs) -> dict:
 STEP_LOG = "ttftscope.step_log"
 
 #: what sorts ``STEP_LOG`` records out (``sort(src, records) -> records``, the spans' records
-#: in their place), registered by the adapter that makes them (``vllm_plugin.engine``)
+#: in their place), registered by the adapter that makes them (``vllm_plugin.steps_handoff``)
 READ_OUT: dict = {}
 
 

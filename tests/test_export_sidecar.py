@@ -24,7 +24,10 @@ from opentelemetry.trace import SpanKind
 from ttftscope.collector import handoff
 from ttftscope.collector.otel_setup import BoundedBatchSpanProcessor, DeferredSpans
 from ttftscope.collector.span_wire import OtlpHttpPoster
-from ttftscope.collector.vllm_plugin import engine as E
+from ttftscope.collector.vllm_plugin import steps as SP
+from ttftscope.collector.vllm_plugin import steps_handoff as SH
+from ttftscope.collector.vllm_plugin.prefix import PrefixHashes
+from ttftscope.schemas.vocabulary import PREFIX_BLOCK, PREFIX_MAX_BLOCKS
 
 T0 = 1_700_000_000.0
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -58,12 +61,12 @@ def _record_everything(tracer, ours: DeferredSpans, vllms: DeferredSpans, k: int
     with a trace state, and an SDK span of vLLM's own."""
     th = {"traceparent": TP, "x-ttftscope-handoff": "1.5"}
     toks = TokenList(range(k, k + 150))
-    chunk = (f"req-{k}-abcdef12", 140, 32, 0, th, f"cmpl-{k}", E.PrefixHashes(toks), 16, False)  # an E.Chunk
-    ours.group(E._step_spans, (k, T0 + k, T0 + k + 0.01, T0 + k + 0.01, T0 + k + 0.03, T0 + k + 0.031,
+    chunk = (f"req-{k}-abcdef12", 140, 32, 0, th, f"cmpl-{k}", PrefixHashes(toks), 16, False)  # an SP.Chunk
+    ours.group(SP._step_spans, (k, T0 + k, T0 + k + 0.01, T0 + k + 0.01, T0 + k + 0.03, T0 + k + 0.031,
                                ([chunk], [(T0 + k - 0.2, T0 + k - 0.201, f"req-{k}-abcdef12", f"cmpl-{k}", 3, th)], 0),
                                1, 1, 2, 140, "engine-7", T0 + k - 0.004, 8))
-    run = E.DecodeRun(T0 + k + 1, T0 + k + 1.5, 40, 80, 2, 100 + k, 139 + k, 0.01, 0.4, 0.02, 0.01, 0.0, 3, 2, 5)
-    ours.add("ttftscope.step", run.start, run.end, (E._run_attrs, (run, "engine-7")))
+    run = SP.DecodeRun(T0 + k + 1, T0 + k + 1.5, 40, 80, 2, 100 + k, 139 + k, 0.01, 0.4, 0.02, 0.01, 0.0, 3, 2, 5)
+    ours.add("ttftscope.step", run.start, run.end, (SP._run_attrs, (run, "engine-7")))
     ours.add("ttftscope.tokenize", T0 + k, T0 + k + 0.002, {"ttftscope.phase": "tokenize", "n": k, "f": 0.25,
                                                             "b": True, "s": "é" * 3}, th)
     root = tracer.start_span("ttftscope.process", start_time=int((T0 + k) * 1e9))
@@ -261,12 +264,12 @@ def test_prefix_hashes_handed_over_hash_as_they_would_here(n, big):
 
     rng = random.Random(n)
     toks = TokenList(rng.randrange(2**40 if big else 150_000) for _ in range(n))
-    here = E.PrefixHashes(toks)
-    there = pickle.loads(bytes(handoff.dump_frame(E.PrefixHashes(toks))[4:]))
+    here = PrefixHashes(toks)
+    there = pickle.loads(bytes(handoff.dump_frame(PrefixHashes(toks))[4:]))
     assert there.hashes() == here.hashes() and str(there.chain) == str(here.chain)
-    frozen = pickle.loads(bytes(handoff.dump_frame(E.PrefixHashes(toks).freeze())[4:]))
+    frozen = pickle.loads(bytes(handoff.dump_frame(PrefixHashes(toks).freeze())[4:]))
     assert frozen.hashes() == here.hashes()
-    assert len(here.hashes()) == min(n // E.PREFIX_BLOCK, E.PREFIX_MAX_BLOCKS)
+    assert len(here.hashes()) == min(n // PREFIX_BLOCK, PREFIX_MAX_BLOCKS)
 
 
 def test_a_sidecar_still_posting_at_exit_finishes_on_its_own(monkeypatch):
@@ -501,12 +504,12 @@ def test_the_step_flush_thread_exports_on_the_interval_only_through_a_sidecar(mo
         monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, steps_in_sidecar=True))
         try:
             ours.add("tick-span", T0, T0 + 1, {"i": 0})
-            assert E.export_on_this_thread(proc, 1) == 0.0, "every second tick: the 2-s interval"
+            assert SH.export_on_this_thread(proc, 1) == 0.0, "every second tick: the 2-s interval"
             assert proc.driven and proc.posts == 0
-            assert E.export_on_this_thread(proc, 2) > 0 and (proc.posts, proc.exported) == (1, 1)
+            assert SH.export_on_this_thread(proc, 2) > 0 and (proc.posts, proc.exported) == (1, 1)
             proc.link.broken = True
             ours.add("tick-span", T0 + 1, T0 + 2, {"i": 1})
-            assert E.export_on_this_thread(proc, 4) == 0.0 and not proc.driven, "the export thread's own again"
+            assert SH.export_on_this_thread(proc, 4) == 0.0 and not proc.driven, "the export thread's own again"
             deadline = time.monotonic() + 20
             while proc.exported < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -117,6 +117,7 @@ def test_a_failing_step_hook_turns_the_step_hooks_off_and_never_reaches_vllm(mon
     microseconds per step there): the scheduler wrappers catch what they raise, log it once, turn
     both step hooks off, and vLLM's schedule and update return their own results all the same."""
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from vllm.v1.core.sched import scheduler as sched_mod
 
     S = sched_mod.Scheduler
@@ -132,7 +133,7 @@ def test_a_failing_step_hook_turns_the_step_hooks_off_and_never_reaches_vllm(mon
 
     for name, fn in (("add_request", lambda self, r: None), ("schedule", schedule), ("update_from_output", update)):
         monkeypatch.setattr(S, name, fn)
-    monkeypatch.setattr(E, "ST", E.EngineState())
+    monkeypatch.setattr(E, "ST", SP.EngineState())
     E._install_scheduler()
     me = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
     out = S.schedule(me)
@@ -225,6 +226,7 @@ def test_an_output_that_takes_no_attribute_goes_unstamped_and_the_step_is_still_
     """A scheduler output with slots (a future vLLM's) cannot carry the step number to the
     workers: the step is bookkept all the same, and stamping is not tried again."""
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
 
     class Slotted:
         __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
@@ -234,7 +236,7 @@ def test_an_output_that_takes_no_attribute_goes_unstamped_and_the_step_is_still_
             self.scheduled_new_reqs, self.num_scheduled_tokens, self.total_num_scheduled_tokens = [], {"a": 1}, 1
             self.scheduled_cached_reqs = NO_CACHED
 
-    st = E.EngineState()
+    st = SP.EngineState()
     sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
     for i in range(2):
         out = Slotted()
@@ -254,10 +256,11 @@ def test_outputs_carry_the_step_number_only_where_the_workers_use_it(monkeypatch
     watched step (and pickled to every worker with TP > 1) is written only where the workers
     time something under it; until then, every output is stamped."""
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from ttftscope.collector.vllm_plugin.runtime import RT
     from vllm.config.compilation import CompilationMode
 
-    monkeypatch.setattr(E, "ST", E.EngineState())
+    monkeypatch.setattr(E, "ST", SP.EngineState())
     monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, profile_every=profile_every))
     sched = SimpleNamespace(running=[1], waiting=[], max_num_running_reqs=8, _inflight_prefills=set())
 
@@ -394,6 +397,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
 
     from ttftscope.collector.otel_setup import DeferredSpans, expand
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import Attr, SpanName
 
@@ -403,9 +407,9 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
 
     def drain() -> None:  # the step-flush thread folds the logged decode steps; the export thread builds
         with st.runs_lock:
-            E.fold_steps(st)
+            SP.fold_steps(st)
         spans.extend((r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q))))
-    st = E.EngineState()
+    st = SP.EngineState()
     tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
     req = NS(request_id="cmpl-1-0-deadbeef", external_req_id="cmpl-1-0", trace_headers=tp, num_computed_tokens=0,
              num_prompt_tokens=100, prompt_token_ids=list(range(100)), priority=0, prefill_stats=None)
@@ -483,6 +487,8 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     from ttftscope.collector import handoff
     from ttftscope.collector.otel_setup import READ_OUT, STEP_LOG, DeferredSpans, expand, read_out
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
+    from ttftscope.collector.vllm_plugin import steps_handoff as SH
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import Attr, SpanName
 
@@ -520,19 +526,19 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
 
     sched = Sched(requests={}, running=[], waiting=[], max_num_running_reqs=8, block_size=16,
                   _inflight_prefills=set())
-    st = E.EngineState()
+    st = SP.EngineState()
     if where == "in-the-export-sidecar":  # as the scheduler adapter registers vLLM's classes
-        monkeypatch.setattr(handoff, "PLAIN", {Req: E._plain_request, Stats: E._plain_stats,
-                                               Sched: E._plain_scheduler})
+        monkeypatch.setattr(handoff, "PLAIN", {Req: SH._plain_request, Stats: SH._plain_stats,
+                                               Sched: SH._plain_scheduler})
         monkeypatch.setattr(RT, "processor", NS(link=NS(broken=False)))
-        assert E.ships()
+        assert SH.ships()
         with monkeypatch.context() as m:  # (TTFTSCOPE_STEPS_IN_SIDECAR=0, or a sidecar that broke: sorted out here)
             m.setattr(RT, "config", dataclasses.replace(RT.config, steps_in_sidecar=False))
-            assert not E.ships()
+            assert not SH.ships()
             m.undo()
             m.setattr(RT, "processor", NS(link=NS(broken=True)))
-            assert not E.ships()
-        assert E.ships()
+            assert not SH.ships()
+        assert SH.ships()
 
     def step(t: float, tokens: dict, new=(), finished=(), resumed=(), aborted=()) -> None:
         """vLLM's schedule(): snapshots, then the requests advanced; update_from_output() frees
@@ -571,7 +577,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     step(1.1, {"long-0-deadbeef": 1024, "short-0-deadbeef": 24}, new=[short], finished=["short-0-deadbeef"])
     step(1.2, {"long-0-deadbeef": 1, "dec-0-deadbeef": 1})
     step(1.3, {"long-0-deadbeef": 1, "dec-0-deadbeef": 1})  # decoding now
-    monkeypatch.setattr(E, "STALE_PREFILL_STEPS", 2)
+    monkeypatch.setattr(SP, "STALE_PREFILL_STEPS", 2)
     gone = Req("gone-0-deadbeef", 3000, 0)
     step(1.4, {"gone-0-deadbeef": 1024, "dec-0-deadbeef": 1}, new=[gone])
     sched.requests.pop(gone.request_id)  # aborted mid-prefill: vLLM says so in the next step's output
@@ -606,9 +612,9 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     assert touched == [], "no request's own fields read on the engine loop"
     assert len(q) == 0, "nothing built on the loop: the steps wait in the log"
     if where == "in-vllms-process":
-        E.flush_decode_run(st)
+        SP.flush_decode_run(st)
     else:
-        E.ship_steps(st, final=True)
+        SH.ship_steps(st, final=True)
         shipped = q.take(len(q))
         assert len(shipped) == 1 and not st.log, "the whole log handed over as one record"
         frame = handoff.dump_frame(([], [(0, shipped)], b""))  # the export thread writes the frame...
@@ -617,7 +623,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         assert {type(x).__name__ for r in got for it in r[3][1] if it and len(it) == 10
                 for x in (it[5], *(a[1] for a in it[0][3] or ()))} == {"PlainScheduler", "PlainRequest"}
         monkeypatch.setattr(RT, "deferred", None)  # (the sidecar's: no span source of its own)
-        sorter = E.StepSorter()
+        sorter = SH.StepSorter()
         monkeypatch.setitem(READ_OUT, STEP_LOG, sorter)
         q = DeferredSpans(tracer=None)
         assert read_out(q, got) == [], "every record of the log sorted out into spans"
@@ -659,19 +665,20 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
 
     from ttftscope.collector.otel_setup import DeferredSpans, expand
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import HANDOFF_HEADER, Attr, SpanName
 
     q = DeferredSpans(tracer=None, max_queue=8)
     monkeypatch.setattr(RT, "deferred", q)
-    st = E.EngineState()
+    st = SP.EngineState()
     on = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
 
     def req(i: int, flags: str = "01") -> NS:
         r = NS(request_id=f"cmpl-{i}-0-deadbeef", external_req_id=f"cmpl-{i}-0", num_computed_tokens=0,
                trace_headers={"traceparent": on[:-2] + flags, HANDOFF_HEADER: "9.5"}, num_prompt_tokens=100,
                prompt_token_ids=list(range(100)), priority=2, prefill_stats=None)
-        setattr(r, E.RECEIVED, 9.8)  # the engine-input adapter's stamp
+        setattr(r, SP.RECEIVED, 9.8)  # the engine-input adapter's stamp
         E._on_add(r, 10.0)
         return r
 
@@ -687,7 +694,7 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
         E._on_schedule(st, sched, out, t, t + 0.001)
         E._on_step_done(st, sched, out, t + 0.01, t + 0.011)
         with st.runs_lock:  # the step-flush thread sorts the step out
-            E.fold_steps(st)
+            SP.fold_steps(st)
         return [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
 
     r1, dropped = req(1), req(2, "00")
@@ -715,8 +722,8 @@ def test_intake_and_queue_are_made_at_the_first_schedule_once_and_prompts_let_go
     E._on_schedule(st, sched, step_out, 12.0, 12.001)
     E._on_step_done(st, sched, step_out, 12.01, 12.011)
     with st.runs_lock:
-        E.fold_steps(st)
-    held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][E.WORK_ARG][0]]
+        SP.fold_steps(st)
+    held = [c for rec in q.take(len(q)) if rec[0] is None for c in rec[3][1][SP.WORK_ARG][0]]
     assert len(held) == 1 and held[0][6] is not None and held[0][6].toks == (), "hashed at once, the prompt let go"
 
 
@@ -733,6 +740,7 @@ def test_with_async_scheduling_a_step_executes_from_when_the_one_before_is_back(
 
     from ttftscope.collector.otel_setup import DeferredSpans, expand
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import Attr, SpanName
 
@@ -741,7 +749,7 @@ def test_with_async_scheduling_a_step_executes_from_when_the_one_before_is_back(
     def run(order: list[tuple[str, int, float]]) -> tuple[dict, dict]:
         q = DeferredSpans(tracer=None)
         monkeypatch.setattr(RT, "deferred", q)
-        st = E.EngineState()
+        st = SP.EngineState()
         sched = NS(requests={}, running=[], waiting=[], max_num_running_reqs=4, block_size=16,
                    _inflight_prefills=set())
         outs = {}
@@ -758,7 +766,7 @@ def test_with_async_scheduling_a_step_executes_from_when_the_one_before_is_back(
             else:
                 E._on_step_done(st, sched, outs[k], t, t + 0.001)
         with st.runs_lock:
-            E.fold_steps(st)
+            SP.fold_steps(st)
         spans = [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
         prefill = {s[3][Attr.STEP]: (s[1], s[2]) for s in spans if s[0] == SpanName.PREFILL}
         steps = {s[3][Attr.STEP]: s[3] for s in spans if s[0] == SpanName.STEP}
@@ -944,7 +952,7 @@ def test_prefix_hashes_are_the_same_lazy_or_frozen_and_hold_a_bounded_prompt():
     export queue backed up) the hashes are computed at once and the prompt let go. Two prompts
     sharing their first 200 tokens share three 64-token blocks of the chain, not the fourth;
     a prompt longer than the chain's reach is held only up to it."""
-    from ttftscope.collector.vllm_plugin.engine import PrefixHashes
+    from ttftscope.collector.vllm_plugin.prefix import PrefixHashes
     from ttftscope.schemas.vocabulary import PREFIX_BLOCK, PREFIX_MAX_BLOCKS
 
     a = list(range(200)) + [7] * 100
@@ -975,6 +983,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
 
     from ttftscope.collector.otel_setup import DeferredSpans, expand
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from ttftscope.collector.vllm_plugin.runtime import RT
     from ttftscope.schemas.vocabulary import SpanName
     from vllm.config.compilation import CompilationMode
@@ -1004,7 +1013,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
     monkeypatch.setattr(core.EngineCore, "preprocess_add_request", lambda self, request: (request, 0))
     monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, quiet_steps=2, profile_every=0))
     monkeypatch.setattr(RT, "deferred", DeferredSpans(tracer=None))
-    monkeypatch.setattr(E, "ST", E.EngineState())
+    monkeypatch.setattr(E, "ST", SP.EngineState())
     sample = E.sample_quiet
     monkeypatch.setattr(E, "sample_quiet", lambda *a: None)  # the step-flush thread's ticks: called here instead
     E._install_scheduler()
@@ -1063,7 +1072,7 @@ def test_quiet_steps_are_sampled_and_the_unwatched_stretch_keeps_the_engine_time
     assert calls == {"schedule": 20, "update": 20}
     assert len(RT.deferred) == 0, "nothing made on the engine loop: the stretches too are spans made off it"
     with st.runs_lock:
-        E.fold_steps(st)
+        SP.fold_steps(st)
     got = sorted(((r[0], r[1], r[2]) for r in expand(RT.deferred.take(len(RT.deferred)))), key=lambda r: r[1])
     assert {n for n, _, _ in got} - {SpanName.STEP, SpanName.UNOBSERVED} == {SpanName.QUEUE, SpanName.PREFILL}
     got = [g for g in got if g[0] in (SpanName.STEP, SpanName.UNOBSERVED)]
@@ -1093,6 +1102,7 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
 
     from ttftscope.collector.otel_setup import DeferredSpans
     from ttftscope.collector.vllm_plugin import engine as E
+    from ttftscope.collector.vllm_plugin import steps as SP
     from ttftscope.collector.vllm_plugin.runtime import RT
     from vllm.config.compilation import CompilationMode
     from vllm.v1.core.sched import scheduler as sched_mod
@@ -1105,7 +1115,7 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
         monkeypatch.setattr(S, name, fn)  # vLLM's methods, standing in (no engine here)
     monkeypatch.setattr(RT, "config", dataclasses.replace(RT.config, quiet_steps=2, profile_every=0))
     monkeypatch.setattr(RT, "deferred", DeferredSpans(tracer=None))
-    monkeypatch.setattr(E, "ST", E.EngineState())
+    monkeypatch.setattr(E, "ST", SP.EngineState())
     E._install_scheduler()
     ran = []
 
@@ -1139,7 +1149,7 @@ def test_a_scheduler_subclass_with_its_own_step_methods_never_rests(monkeypatch,
     # the same steps on the base class rest after the sample (the rule is about the override)
     base = S.__new__(S)
     base.__dict__.update(me.__dict__)
-    monkeypatch.setattr(E, "ST", E.EngineState(wrappers=E.ST.wrappers, rest=E.ST.rest, quiet_left=2))
+    monkeypatch.setattr(E, "ST", SP.EngineState(wrappers=E.ST.wrappers, rest=E.ST.rest, quiet_left=2))
     for _ in range(4):
         base.update_from_output(base.schedule())
     assert E.ST.resting and E.ST.step == 2

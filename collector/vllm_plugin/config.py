@@ -95,7 +95,7 @@ class PluginConfig:
     #: trying a collector that cannot take its spans (down, restarting) before it gives them up
     export_linger_s: float = 30.0
     #: TTFTSCOPE_STEPS_IN_SIDECAR: with an export sidecar, the engine core hands its logged steps
-    #: over as they are and the sidecar sorts them out (``vllm_plugin.engine.StepSorter``); 0: its
+    #: over as they are and the sidecar sorts them out (``vllm_plugin.steps_handoff.StepSorter``); 0: its
     #: step-flush thread sorts them out in vLLM's process, as without a sidecar
     steps_in_sidecar: bool = True
     #: TTFTSCOPE_QUIET_STEPS: of the engine's quiet steps (decode only, nobody waiting, no prefill in
