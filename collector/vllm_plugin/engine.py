@@ -253,7 +253,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     a prefill still in progress after the step before: vLLM's own set of them) keeps its new
     requests' vLLM ``Request`` and ``PrefillStats`` objects (vLLM frees a request finished in
     this step and takes its stats when it reports them); which of its tokens were prompt
-    tokens is sorted out off the loop, from the output's own snapshots (:func:`_prefill_work`,
+    tokens is sorted out off the loop, from the output's own snapshots (:func:`.steps._prefill_work`,
     on the step-flush thread). Hot: its caller catches what it raises."""
     if st.gap_from:  # the first step watched after unobserved ones, since it was woken (``wake``)
         _unobserved(st, st.last_end)
@@ -293,7 +293,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
 
 def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None:
     """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
-    its anatomy is schedule [t0, t1], execute (from :func:`_overlap`, off the loop: the previous
+    its anatomy is schedule [t0, t1], execute (from :func:`.steps._overlap`, off the loop: the previous
     step's ``t_u0`` is logged with it), update [t_u0, t_u1], and the idle time since the
     previous step closed. One append to the step log either way (a decode step's numbers, or
     a step that may carry prompt tokens with its output, sorted out off the loop:

@@ -95,7 +95,7 @@ def sample_quiet(st: EngineState, quiet_steps: int | None) -> None:
 
 def _unobserved(st: EngineState, end: float) -> None:
     """The unobserved stretch closes at ``end``: logged as ``(start, end)`` (one append on the
-    engine loop), made a span off the loop (:func:`fold_steps`)."""
+    engine loop), made a span off the loop (:func:`.steps.fold_steps`)."""
     start, st.gap_from = st.gap_from, 0.0
     if end > start:
         st.log.append((start, end))

@@ -181,7 +181,7 @@ class EngineState:
     rested: object = None  # the scheduler resting (its shadowing attributes are removed on waking)
     gap_from: float = 0.0  # when the last observed step closed, while an unobserved stretch is open
     rest_lock: threading.Lock = field(default_factory=threading.Lock)
-    #: where the steps are sorted out from handed-over copies (the export sidecar: :class:`StepSorter`),
+    #: where the steps are sorted out from handed-over copies (the export sidecar: :class:`.steps_handoff.StepSorter`),
     #: the requests whose queue span was made (a copy's first-schedule mark is not cleared in vLLM's
     #: process): request id -> None, the oldest let go past ``SEEN_MAX``; None in vLLM's process
     seen: dict | None = None

@@ -90,7 +90,7 @@ class PlainStats:
 
 class PlainScheduler:
     """What the sorting reads of vLLM's scheduler (``requests`` is not handed over, None: whether a
-    request is gone is not known here, :func:`_let_go`)."""
+    request is gone is not known here, :func:`.steps._let_go`)."""
 
     __slots__ = ("block_size", "max_num_running_reqs", "requests")
 
@@ -132,7 +132,7 @@ class StepSorter:
     """Engine cores' logged steps (``STEP_LOG`` records), sorted out where they are read: in the
     export sidecar as its frames arrive (or in the engine core before it encodes, when it has no
     sidecar any more), with the same code the step-flush thread runs in vLLM's process
-    (:func:`flush_decode_run`), on each engine's own state: its prefills in progress, its open
+    (:func:`.steps.flush_decode_run`), on each engine's own state: its prefills in progress, its open
     run. The spans go to the records' source."""
 
     def __init__(self) -> None:
