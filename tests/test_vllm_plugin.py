@@ -165,6 +165,12 @@ def test_every_adapter_is_active_in_a_compiled_server(tp1):
     (api,) = [json.loads(p.read_text()) for p in (srv.log.parent / "self").glob("api_server-*.json")]
     calls = {k: v[0] for k, v in api["per_hook"].items()}
     assert calls.get("llm_request", 0) == calls.get("output", -1) >= 20, calls
+    # every hook of the engine core ran and was accounted (bench/overhead reads these: a hook that
+    # lost its ``hot`` timing once went missing from the engine core's figures)
+    (core,) = [json.loads(p.read_text()) for p in (srv.log.parent / "self").glob("engine_core-*.json")]
+    core_calls = {k: v[0] for k, v in core["per_hook"].items()}
+    assert all(core_calls.get(h, 0) > 0 for h in ("add_request", "engine-input", "schedule", "step")), core_calls
+    assert core_calls["add_request"] == core_calls["engine-input"], core_calls
     assert "failed and is now disabled" not in log
     # the spans were built, encoded and posted by export sidecars (collector.handoff), one per
     # serving process, not by vLLM's processes; none of them imported vLLM, torch, pyarrow or

@@ -291,6 +291,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
         del pending[next(iter(pending))]
 
 
+@hot("step")
 def _on_step_done(st: EngineState, sched, out, t_u0: float, t_u1: float) -> None:
     """A step closes: its prefill chunks end when its output reaches the scheduler (``t_u0``);
     its anatomy is schedule [t0, t1], execute (from :func:`.steps._overlap`, off the loop: the previous
