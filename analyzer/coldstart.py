@@ -71,7 +71,9 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
              .with_columns((pl.col("s") - pl.col("prev_e")).alias("gap"))
              .sort("gap", descending=True).group_by("trace").first()
              .select("trace", "gap", pl.col("prev_name").alias("gap_after"), pl.col("first").alias("gap_before")))
-    phases = loads.group_by("trace", "name").agg((pl.col("e") - pl.col("s")).sum().alias("d"))
+    # each process's phases in the order they started (a report line reads as the start-up went)
+    phases = (loads.group_by("trace", "name").agg((pl.col("e") - pl.col("s")).sum().alias("d"), pl.col("s").min().alias("s0"))
+              .sort("trace", "s0", "name"))
     out = []
     rows = proc.join(busy, on="trace", how="left").join(worst, on="trace", how="left").sort("instance")
     phase_map: dict[str, dict] = {}

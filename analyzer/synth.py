@@ -415,7 +415,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
         tables.append(spans_table(m_, np.array(starts), np.full(m_, ptrace[0]), sids(m_, 14 + r),
                              np.array([""] + [proc_span[0]] * (m_ - 1), dtype=object), np.array(names, dtype=object),
                              "Internal", "vllm", wk, {Attr.RANK: np.full(m_, r)}, np.array(durs)))
-        cold_truth[f"worker-{r}"] = {"cold_start_s": cold / 1e9, "gap_s": gap / 1e9}
+        cold_truth[f"worker-{r}"] = {"cold_start_s": cold / 1e9, "gap_s": gap / 1e9, "phases": [nm_ for nm_, _ in phases]}
 
     # ground truth, from the generated arrays only
     q99 = np.quantile(ttft, 0.99)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import threading
 import time
+from datetime import datetime
 
 import psutil
 import pytest
@@ -21,6 +22,7 @@ from ttftscope.schemas.vocabulary import Attr, SpanName
 @pytest.mark.slow
 def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans_up(tmp_path):
     store, port = str(tmp_path / "store"), free_port()
+    t0 = time.time()
     proc = subprocess.Popen([PY, "-m", "ttftscope", "demo", "--quick", "--store", store, "--workdir", str(tmp_path / "w"),
                              "--ui-port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -58,6 +60,14 @@ def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans
         assert span in names, f"real vLLM traces of every phase: {span} missing"
     runs = ttftscope_sql(store, "SELECT DISTINCT ResourceAttributes['ttftscope.run'] AS r FROM otel_traces WHERE r != ''")
     assert len(runs) == 1 and runs[0]["r"].startswith("demo-")
+    # the whole run's report: from when the demo started (not minutes before), with every vLLM process's cold start,
+    # its phases in the order they started (the plugin's "process start and imports" first)
+    head = re.search(r"ttftscope report — (\S+) \.\. (\S+)", out)
+    assert head and t0 - 1 <= datetime.fromisoformat(head.group(1)).timestamp() <= t0 + 60, (head and head.group(0), t0)
+    cold = [line for line in out.split("\nCold start\n")[-1].split("\n\n")[0].splitlines() if line.startswith("- ")]
+    assert sum(line.startswith("- engine_core") for line in cold) >= 1 and sum(line.startswith("- worker") for line in cold) >= 1, cold
+    for line in cold:
+        assert line.split("; ", 1)[1].startswith("process start and imports"), line
 
 
 def _ignore_sigint() -> None:
