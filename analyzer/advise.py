@@ -100,6 +100,17 @@ _KV_FULL = ("Requests queue with seats free: the KV cache has no free blocks for
             "the queue wait for KV-cache blocks removed from TTFT")
 
 
+#: queue_dominates when seats were free and the steps' token budget was taken by prompt work
+_BUDGET = ("Requests queue with seats free: every step's token budget (`--max-num-batched-tokens`) went to "
+           "the prompts admitted before them, so raising `--max-num-seqs` would not help. The engine was "
+           "computing prompts as fast as its budget lets: a larger `--max-num-batched-tokens` admits more "
+           "prompt per step, which shortens the queue where a step's time grows less than its tokens (a GPU "
+           "below saturation; longer steps stretch the running requests' inter-token latency), and does little "
+           "where the device is already saturated; there, fewer prompt tokens (prefix caching, shorter "
+           "prompts) or more replicas shorten it.",
+           "the queue wait for the token budget removed from TTFT")
+
+
 #: intake_dominates when most of it is IPC, before the engine core's input thread has the request
 _IPC = ("Most of the intake is the hop from the API server to the engine core's input thread (ZMQ and "
         "msgpack): very large requests (long prompts sent as text, many images), or an engine core process "
@@ -120,6 +131,8 @@ def advise(findings: list[dict], stats: dict, slo_result: dict) -> list[dict]:
             what, effect = _SEATS
         elif f["evidence"].get("kv_cache_full"):  # a queue behind a full KV cache, seats free
             what, effect = _KV_FULL
+        elif f["evidence"].get("token_budget_full"):  # a queue behind the steps' prompt work, seats free
+            what, effect = _BUDGET
         if f["evidence"].get("ipc_share", 0.0) > 0.5:  # intake mostly before the engine core had it
             what, effect = _IPC
         out.append({"because": f["title"], "finding": f["kind"], "severity": f["severity"], "change": what,

@@ -61,6 +61,10 @@ def phase_dominance(ctx: Context) -> list[Finding]:
             elif extra.get("kv_cache_full"):
                 title += (f": while requests waited, a seat was free and no prompt was being computed in "
                           f"{extra['kv_share']:.0%} of steps: the KV cache had no free blocks for the next prompt")
+            elif extra.get("token_budget_full"):
+                title += (f": while requests waited, seats were free and the steps' token budget ({extra['step_tokens_seen']:,} "
+                          f"tokens, --max-num-batched-tokens) went to prompts admitted before in "
+                          f"{extra['budget_share']:.0%} of steps")
         if phase == "intake" and sev and "intake_ipc" in df.columns and df["intake_ipc"].sum() > 0:
             extra = intake_split(df)
             title += (f": {extra['ipc_share']:.0%} of it IPC (API server -> engine core's input thread), the rest "
@@ -102,28 +106,41 @@ def admission(store, window) -> dict:
       decodes left), a paused engine, data-parallel prefill balancing, a preemption in the same
       step, and requests waiting for a structured-output grammar, a LoRA slot or remote KV
       (the advice says so);
-    * the token budget: the rest, steps busy with prompt work (chunks of prompts admitted before).
+    * the token budget (``budget_share``): a seat was free and the step computed prompt tokens
+      up to the most any step computed while requests waited (``step_tokens_seen``: the budget,
+      ``--max-num-batched-tokens``, when it was reached): chunks of prompts admitted before took
+      it. A step with prompt work below that left budget unused while requests waited: vLLM's
+      chunked prefill would have admitted a chunk of the next prompt, so something else held it
+      (the rarer reasons above, or a long-prefill cap), counted in none of the three.
 
     A merged run of decode steps counts as its steps, of which it says how many held every seat.
-    Returns ``seats``, ``steps_waiting``, ``full_share``, ``kv_share`` and which of the first
-    two held most (``all_seats_held``, ``kv_cache_full``: a share of at least ``HELD_SHARE``)."""
+    Returns ``seats``, ``steps_waiting``, ``full_share``, ``kv_share``, ``budget_share``,
+    ``step_tokens_seen`` and which held most (``all_seats_held``, ``kv_cache_full``,
+    ``token_budget_full``: a share of at least ``HELD_SHARE``)."""
     s = store.query(f"""
-        SELECT seats, sum(n) AS steps, sum(f) AS full_steps, sumIf(n - f, prompt = 0) AS kv
-        FROM (SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats,
-                     greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1) AS n,
-                     if(mapContains(SpanAttributes, '{Attr.STEP_FULL}'), toUInt64OrZero(SpanAttributes['{Attr.STEP_FULL}']),
-                        toUInt64(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats)) AS f,
-                     toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']) AS prompt
-              FROM otel_traces
-              WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND seats > 0
-                AND toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) > 0)
+        SELECT seats, sum(n) AS steps, sum(f) AS full_steps, sumIf(n - f, prompt = 0) AS kv,
+               any(most) AS seen, sumIf(n - f, prompt > 0 AND tokens >= most) AS budget
+        FROM (SELECT *, max(tokens) OVER (PARTITION BY seats) AS most
+              FROM (SELECT toUInt32OrZero(SpanAttributes['{Attr.MAX_NUM_SEQS}']) AS seats,
+                           greatest(toUInt64OrZero(SpanAttributes['{Attr.STEP_COUNT}']), 1) AS n,
+                           if(mapContains(SpanAttributes, '{Attr.STEP_FULL}'),
+                              toUInt64OrZero(SpanAttributes['{Attr.STEP_FULL}']),
+                              toUInt64(toUInt32OrZero(SpanAttributes['{Attr.RUNNING}']) >= seats)) AS f,
+                           toUInt64OrZero(SpanAttributes['{Attr.STEP_PREFILL_TOKENS}']) AS prompt,
+                           prompt + toUInt64OrZero(SpanAttributes['{Attr.STEP_DECODE_TOKENS}']) AS tokens
+                    FROM otel_traces
+                    WHERE SpanName = '{SpanName.STEP}' AND {Window.time_filter()} AND seats > 0
+                      AND toUInt32OrZero(SpanAttributes['{Attr.WAITING}']) > 0))
         GROUP BY seats ORDER BY steps DESC LIMIT 1""", window.params())
     if s.height == 0:
         return {}
     r = s.row(0, named=True)
-    full, kv = r["full_steps"] / r["steps"], r["kv"] / r["steps"]  # (a run's full steps are among its steps)
-    return {"seats": int(r["seats"]), "steps_waiting": int(r["steps"]), "full_share": full, "kv_share": kv,
-            "all_seats_held": full >= HELD_SHARE, "kv_cache_full": full < HELD_SHARE and kv >= HELD_SHARE}
+    steps = r["steps"]  # (a run's full steps are among its steps)
+    full, kv, budget = r["full_steps"] / steps, r["kv"] / steps, r["budget"] / steps
+    return {"seats": int(r["seats"]), "steps_waiting": int(steps), "full_share": full, "kv_share": kv,
+            "budget_share": budget, "step_tokens_seen": int(r["seen"]),
+            "all_seats_held": full >= HELD_SHARE, "kv_cache_full": full < HELD_SHARE and kv >= HELD_SHARE,
+            "token_budget_full": full < HELD_SHARE and kv < HELD_SHARE and budget >= HELD_SHARE}
 
 
 @detector("chunk_waits")

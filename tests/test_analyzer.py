@@ -499,8 +499,10 @@ def _vllm_spans(name: str, rows: list[tuple[int, dict, int]]):
 def test_what_held_the_queue_is_read_from_the_steps_taken_while_requests_waited(tmp_path, held):
     """Planted steps, each kind of holder the majority once: merged decode runs with every seat
     held (``step.full``), decode runs with a seat free (nothing but a full KV cache stops vLLM
-    admitting then), and single steps computing prompt chunks (the token budget). Steps with
-    nobody waiting, and another engine's fewer steps at other seats, do not count."""
+    admitting then), and single steps computing prompt chunks up to the budget (128 tokens, the
+    most any step computed). Steps computing prompt work below it (budget left over: something
+    else held the queue) count for none of them. Steps with nobody waiting, and another
+    engine's fewer steps at other seats, do not count."""
     import time
 
     import pyarrow as pa
@@ -518,14 +520,19 @@ def test_what_held_the_queue_is_read_from_the_steps_taken_while_requests_waited(
             (20, {Attr.ENGINE: "engine-1", Attr.STEP_COUNT: 50, Attr.RUNNING: 1, Attr.STEP_PREFILL_TOKENS: 0}, ms),
             (30, {Attr.ENGINE: "engine-2", Attr.MAX_NUM_SEQS: 64, Attr.WAITING: 1, Attr.STEP_COUNT: 3,
                   Attr.STEP_FULL: 0, Attr.RUNNING: 1, Attr.STEP_PREFILL_TOKENS: 0}, ms)]
-    rows += [(40 + i, {**base, Attr.RUNNING: 3, Attr.STEP_PREFILL_TOKENS: 64}, ms) for i in range(budget_steps)]
+    rows += [(40 + i, {**base, Attr.RUNNING: 3, Attr.STEP_PREFILL_TOKENS: 96, Attr.STEP_DECODE_TOKENS: 32}, ms)
+             for i in range(budget_steps)]
+    rows += [(70 + i, {**base, Attr.RUNNING: 3, Attr.STEP_PREFILL_TOKENS: 40, Attr.STEP_DECODE_TOKENS: 3}, ms)
+             for i in range(2)]  # budget left over
     st = open_store(str(tmp_path / "s"))
     st.insert_spans(pa.concat_tables([_vllm_spans(SpanName.STEP, [(now + r[0] * ms, r[1], r[2]) for r in rows])]), "t")
     got = admission(st, Window.last(3600))
-    steps = full_steps + kv_steps + budget_steps
+    steps = full_steps + kv_steps + budget_steps + 2
     assert (got["seats"], got["steps_waiting"]) == (4, steps), got
     assert got["full_share"] == pytest.approx(full_steps / steps) and got["kv_share"] == pytest.approx(kv_steps / steps)
-    assert (got["all_seats_held"], got["kv_cache_full"]) == (held == "seats", held == "kv"), got
+    assert got["budget_share"] == pytest.approx(budget_steps / steps) and got["step_tokens_seen"] == 128, got
+    assert (got["all_seats_held"], got["kv_cache_full"], got["token_budget_full"]) == (
+        held == "seats", held == "kv", held == "budget"), got
 
 
 def test_a_steps_collectives_take_its_running_count_from_the_engines_step_span(tmp_path):

@@ -54,6 +54,10 @@ def test_demo_quick_collects_every_phase_names_queueing_serves_the_ui_and_cleans
         assert step in out, "progress is shown throughout"
     burst = next((line for line in lines if line.startswith("burst")), None)
     assert burst is not None and "queue" in burst.lower(), f"the burst's main cause is queueing: {burst}\n{out}"
+    # ... held by the steps' token budget (100 prompts at once, seats for all): the budget vLLM says it was started with
+    budgets = {int(m) for log in (tmp_path / "w").rglob("vllm-*.log")
+               for m in re.findall(r"non-default args: .*'max_num_batched_tokens': (\d+)", log.read_text(errors="replace"))}
+    assert len(budgets) == 1 and f"token budget ({budgets.pop():,} tokens" in burst, (budgets, burst)
     names = {r["SpanName"] for r in ttftscope_sql(store, "SELECT DISTINCT SpanName FROM otel_traces")}
     for span in ("llm_request", "ttftscope.tokenize", "ttftscope.queue", "ttftscope.prefill", "ttftscope.deliver",
                  "ttftscope.allreduce", "ttftscope.process", "Load model"):
