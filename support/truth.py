@@ -334,7 +334,34 @@ def drive_bubbles(srv: VllmServer, switches: Path, bursts: int = 24, size: int =
     return out
 
 
-drive_bubbles.toggles = True  # drive_parts hands it the switch directory: it switches its own fault
+drive_bubbles.toggles = True
+
+#: planted per prompt token in vLLM's tokenizer pool during every other burst of drive_tokenizer_bursts: ~3 ms a
+#: 200-token prompt, which the pool serves one at a time (a burst's last prompt waits ~150 ms for it), against
+#: an engine that admits a 200-token prompt about every 2-3 ms at its 128-token step budget: the queue stays
+BURST_TOKENIZE_US_PER_TOKEN = 15
+
+
+def drive_tokenizer_bursts(srv: VllmServer, switches: Path, bursts: int = 8, size: int = 50) -> list[dict]:
+    """Bursts of ``size`` streaming requests at once (200-word prompts, 4 tokens each), the slow
+    tokenizer (``BURST_TOKENIZE_US_PER_TOKEN``) switched on for every other burst; one clean burst
+    first, not measured. Rows: ``slow`` and each burst's own window (``since``/``until``)."""
+    _warm(srv)
+    flag = switches / "PLANTED_TOKENIZE_US_PER_TOKEN"
+    out = []
+    for b in range(-1, bursts):
+        slow = b >= 0 and b % 2 == 1
+        if slow:
+            flag.touch()
+        q = [{"port": srv.port, "model": srv.model, "prompt": prompt_of(200, 70000 + b * size + i), "stream": True,
+              "max_tokens": 4, "ignore_eos": True} for i in range(size)]
+        since = time.time()
+        rows = [{**_row(a), "stream": True, "slow": slow, "burst": b} for a in _Stopwatch.ask({"burst": q})["burst"]]
+        flag.unlink(missing_ok=True)
+        until = time.time()
+        out += [{**r, "since": since, "until": until} for r in rows] if b >= 0 else []
+        time.sleep(1.0)
+    return out  # drive_parts hands it the switch directory: it switches its own fault
 
 
 #: during the seats' burst, every worker step this much longer (a sleep: time on the device, the

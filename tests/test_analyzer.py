@@ -624,3 +624,31 @@ def test_collectives_that_grow_with_concurrency_are_found_with_their_slope(tmp_p
     (f,) = allreduce_concurrency(Context(st, Window.last(3600), SLO(), pl.DataFrame()))
     assert f["severity"] == "high", f
     assert f["evidence"]["slope_ms_per_request"] == pytest.approx(1.0, rel=0.15), f["evidence"]
+
+
+@pytest.mark.parametrize("case", ["idle engine", "serial arrivals, busy engine", "every arrival alike, busy engine"])
+def test_time_removed_before_the_queue_is_saved_as_far_as_the_queue_lets_it_through(case):
+    """Planted admissions (ms): an engine that takes requests as they come saves each its whole
+    removed time; a burst whose arrivals a serial stage spreads 3 ms apart (request ``i`` arrives
+    at ``3 i``) on an engine that admits one every 10 ms saves nothing past the first request
+    (they would wait in the queue instead); the same burst with every arrival 20 ms earlier
+    saves each request 20 ms (the whole queue moves)."""
+    from ttftscope.analyzer.impact import BEFORE_THE_QUEUE, through_the_queue
+
+    ms, n = 10**6, 50
+    if case == "idle engine":
+        t0, pre, adm, removed = [100 * i for i in range(n)], [25] * n, [100 * i + 26 for i in range(n)], [20] * n
+    else:
+        serial = case.startswith("serial")
+        t0 = [0] * n
+        pre = [3 * i + 1 for i in range(n)] if serial else [21] * n
+        adm = [10 * i + 30 for i in range(n)]  # one every 10 ms, all of them after their arrival
+        removed = [3 * i for i in range(n)] if serial else [20] * n
+    df = pl.DataFrame({"t0": [t * ms for t in t0], **{c: [0] * n for c in BEFORE_THE_QUEUE if c != "tokenize"},
+                       "tokenize": [p * ms for p in pre], "queue": [(a - p - t) * ms for a, p, t in zip(adm, pre, t0, strict=True)],
+                       "gap_schedule": [0] * n, "_removed": [r * ms for r in removed]})
+    saved = (through_the_queue(df, pl.col("_removed")) / ms).to_list()
+    if case.startswith("serial"):
+        assert saved[0] == pytest.approx(0.0) and max(saved) <= 1.0, saved  # (the first request removed nothing)
+    else:
+        assert saved == pytest.approx(removed), saved
