@@ -342,7 +342,7 @@ drive_bubbles.toggles = True
 BURST_TOKENIZE_US_PER_TOKEN = 15
 
 
-def drive_tokenizer_bursts(srv: VllmServer, switches: Path, bursts: int = 8, size: int = 50) -> list[dict]:
+def drive_tokenizer_bursts(srv: VllmServer, switches: Path, bursts: int = 12, size: int = 50) -> list[dict]:
     """Bursts of ``size`` streaming requests at once (200-word prompts, 4 tokens each), the slow
     tokenizer (``BURST_TOKENIZE_US_PER_TOKEN``) switched on for every other burst; one clean burst
     first, not measured. Rows: ``slow`` and each burst's own window (``since``/``until``)."""
