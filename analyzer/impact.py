@@ -154,7 +154,7 @@ def through_the_queue(df: pl.DataFrame, removed: pl.Expr) -> pl.Series:
     each request once its earlier arrival goes through vLLM's queue. Subtracting it from TTFT
     takes the engine to be free: in a burst that keeps it busy, a request that arrives earlier
     waits longer in the queue instead — a tokenizer that serves a burst one request at a time,
-    planted at ~3 ms a request on real vLLM, cost the client 9-12 ms at p50 while subtracting it
+    planted at ~3 ms a request on real vLLM, cost the client 9-24 ms at p50 while subtracting it
     named tokenization first with ~90 ms (tests/truth/test_burst_tokenizer.py). The engine's admissions are replayed, first come first served: its ``k``-th
     admission came ``g_k`` after the one before it where the request admitted waited for it
     (``g_k`` = that interval, at most the request's own queue wait; 0 for a request the engine took as
