@@ -334,11 +334,12 @@ def drive_bubbles(srv: VllmServer, switches: Path, bursts: int = 24, size: int =
     return out
 
 
-drive_bubbles.toggles = True
+drive_bubbles.toggles = True  # drive_parts hands it the switch directory: it switches its own fault
 
 #: planted per prompt token in vLLM's tokenizer pool during every other burst of drive_tokenizer_bursts: ~3 ms a
-#: 200-token prompt, which the pool serves one at a time (a burst's last prompt waits ~150 ms for it), against
-#: an engine that admits a 200-token prompt about every 2-3 ms at its 128-token step budget: the queue stays
+#: 200-token prompt, which the pool serves one at a time (a burst's last prompt waits ~150 ms for it), slower
+#: than nothing but faster than the engine admits them at its 128-token step budget: the engine's queue stays
+#: (~45-75 ms of impact at p50 on the slow bursts, ~80-117 on the others, measured 2026-12-07)
 BURST_TOKENIZE_US_PER_TOKEN = 15
 
 
@@ -361,7 +362,7 @@ def drive_tokenizer_bursts(srv: VllmServer, switches: Path, bursts: int = 12, si
         until = time.time()
         out += [{**r, "since": since, "until": until} for r in rows] if b >= 0 else []
         time.sleep(1.0)
-    return out  # drive_parts hands it the switch directory: it switches its own fault
+    return out
 
 
 #: during the seats' burst, every worker step this much longer (a sleep: time on the device, the
