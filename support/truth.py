@@ -683,7 +683,7 @@ def sized(report: dict, want: str, fault: pl.DataFrame, base: pl.DataFrame, stor
     per-request numbers the report leaves out."""
     from ttftscope.analyzer.findings import Context, run_detectors
     from ttftscope.analyzer.gaps import engine_bubbles
-    from ttftscope.analyzer.impact import REMOVED, impact_ms
+    from ttftscope.analyzer.impact import REMOVED, finding_impact
     from ttftscope.schemas.slo import SLO
 
     if effect is None:
@@ -696,7 +696,7 @@ def sized(report: dict, want: str, fault: pl.DataFrame, base: pl.DataFrame, stor
         (f,) = run_detectors(ctx, only=[want])
         per = f.pop("per_request")
         fault, base = (d.join(per, on="trace_id", how="left") for d in (fault, base))
-    imp = float(impact_ms(fault, REMOVED[want](f))[0]["p50"]) if f is not None and want in REMOVED else None
+    imp = float(finding_impact(fault, f)[0]["p50"]) if f is not None and want in REMOVED else None
     return Sized(want, [x["kind"] for x in report["findings"]], effect, imp, f, fault, base, report["findings"])
 
 

@@ -169,7 +169,7 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(stalled, sizes):
     request (the clean twins the baseline): deliver grows by what the client lost, vLLM's own
     TTFT cannot see it, the top finding names it, and its impact at p50 on the stalled requests
     is that loss (issue 12: within 15%)."""
-    from ttftscope.analyzer.impact import REMOVED, impact_ms
+    from ttftscope.analyzer.impact import finding_impact
 
     df, base = _twins(stalled)
     grew = _ms(df, "client_ms") - _ms(base, "client_ms")
@@ -188,7 +188,7 @@ def test_a_delivery_stall_lands_in_deliver_with_its_size(stalled, sizes):
     # — but what it says removing that would save on the stalled requests is not the stall's time
     tok = next((f for f in s.findings if f["kind"] == "tokenize_dominates"), None)
     if tok is not None:
-        claimed = impact_ms(df, REMOVED["tokenize_dominates"](tok))[0]["p50"]
+        claimed = finding_impact(df, tok)[0]["p50"]
         assert claimed < 0.1 * grew, (claimed, grew, tok["title"])
     # the top finding names the planted cause, and what it says removing it would save at p50 on
     # the stalled requests is what the fault cost them at p50. Issue 12 asks 15%: on a faster VM
@@ -204,7 +204,7 @@ def test_a_slow_tokenizer_is_named_with_its_size(slowtok, sizes):
     """The tokenizer made slower per prompt token for every other request (the clean twins the
     baseline): tokenize grows by what the client lost, the top finding names it, and its impact
     at p50 on the slowed requests is that loss (issue 12: within 15%)."""
-    from ttftscope.analyzer.impact import REMOVED, impact_ms
+    from ttftscope.analyzer.impact import finding_impact
 
     df, base = _twins(slowtok)
     grew = _ms(df, "client_ms") - _ms(base, "client_ms")
@@ -218,7 +218,7 @@ def test_a_slow_tokenizer_is_named_with_its_size(slowtok, sizes):
     # requests the client timed is what the fault cost the client
     _within(s, 0.15)
     # and nothing of it on the clean twins in the same window
-    assert impact_ms(base, REMOVED["tokenize_dominates"](s.finding))[0]["p50"] < 0.1 * grew
+    assert finding_impact(base, s.finding)[0]["p50"] < 0.1 * grew
 
 
 def test_a_host_gap_before_the_engine_is_named_with_its_size(hostgap, sizes):
