@@ -71,21 +71,20 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
              .with_columns((pl.col("s") - pl.col("prev_e")).alias("gap"))
              .sort("gap", descending=True).group_by("trace").first()
              .select("trace", "gap", pl.col("prev_name").alias("gap_after"), pl.col("first").alias("gap_before")))
-    # each process's phases in the order they started (a report line reads as the start-up went)
-    phases = (loads.group_by("trace", "name").agg((pl.col("e") - pl.col("s")).sum().alias("d"), pl.col("s").min().alias("s0"))
-              .sort("trace", "s0", "name"))
     out = []
     rows = proc.join(busy, on="trace", how="left").join(worst, on="trace", how="left").sort("instance")
-    phase_map: dict[str, dict] = {}
-    for r in phases.iter_rows(named=True):  # a few rows per process
-        phase_map.setdefault(r["trace"], {})[r["name"]] = r["d"] / 1e9
+    phase_map: dict[str, list[dict]] = {}
+    for r in _phases(loads).iter_rows(named=True):  # a few rows per process
+        phase_map.setdefault(r["trace"], []).append(r)
     for r in rows.iter_rows(named=True):
         dur = (r["ready"] - r["p0"]) / 1e9
         busy_s = (r["busy"] or 0) / 1e9
+        phases = [{"name": p["name"], "start_s": (p["s0"] - r["p0"]) / 1e9, "seconds": p["d"] / 1e9,
+                   "within": p["within"]} for p in phase_map.get(r["trace"], [])]
         out.append({
             "instance": r["instance"] or r["service"], "role": r["role"], "trace_id": r["trace_id"],
             "cold_start_s": dur, "target_s": target_s, "over_target": dur > target_s, "ready_ns": int(r["ready"]),
-            "phases_s": phase_map.get(r["trace"], {}),
+            "phases_s": {p["name"]: p["seconds"] for p in phases}, "phases": phases,
             "idle_s": max(dur - busy_s, 0.0), "idle_share": max(dur - busy_s, 0.0) / dur if dur > 0 else 0.0,
             "largest_gap": ({"seconds": r["gap"] / 1e9, "after": r["gap_after"], "before": r["gap_before"]}
                             if r["gap"] is not None else None),
@@ -93,4 +92,37 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
     return out
 
 
-__all__ = ["cold_start"]
+def _phases(loads: pl.DataFrame) -> pl.DataFrame:
+    """Each process's loading phases (``trace``, ``name``, ``d``: ns, ``s0``/``e1``: extent, ``within``),
+    in the order they started. A phase's time is the union of its spans: vLLM nests a "Worker init"
+    in another, which a sum counted twice. A phase sits ``within`` the innermost other phase of its
+    process that spans it: vLLM's "EngineCoreProc init" holds "Executor init" and "Prepare model",
+    whose times are parts of its, not added to it (a sum of every phase came to 34 s of a 20-s start)."""
+    ph = (loads.sort("trace", "name", "s")
+          .with_columns(pl.col("e").cum_max().shift(1).over("trace", "name").alias("reach"))
+          .with_columns((pl.col("e") - pl.max_horizontal("s", pl.col("reach").fill_null(pl.col("s")))).clip(0).alias("d"))
+          .group_by("trace", "name").agg(pl.col("d").sum(), pl.col("s").min().alias("s0"), pl.col("e").max().alias("e1"))
+          .sort("trace", "s0", pl.col("e1"), "name", descending=[False, False, True, False])
+          .with_columns(pl.int_range(pl.len()).over("trace").alias("idx")))
+    outer = ph.select("trace", pl.col("name").alias("within"), pl.col("s0").alias("os"), pl.col("e1").alias("oe"),
+                      pl.col("idx").alias("oi"))
+    within = (ph.join(outer, on="trace")
+              .filter((pl.col("os") <= pl.col("s0")) & (pl.col("oe") >= pl.col("e1")) & (pl.col("oi") < pl.col("idx")))
+              .group_by("trace", "name").agg(pl.col("within").sort_by("oi").last()))
+    return ph.join(within, on=["trace", "name"], how="left").sort("trace", "idx")
+
+
+def phase_text(c: dict) -> str:
+    """A process's phases as a report line: in the order they started, each phase's parts in
+    brackets after it ("EngineCoreProc init 14.7 s [Executor init 6.8 s, Prepare model 7.0 s]")."""
+    kids: dict[str | None, list[dict]] = {}
+    for p in c.get("phases", []):
+        kids.setdefault(p["within"], []).append(p)
+
+    def level(parent: str | None) -> str:
+        return ", ".join(f"{p['name']} {p['seconds']:.1f} s" + (f" [{level(p['name'])}]" if p["name"] in kids else "")
+                         for p in kids.get(parent, []))
+    return level(None)
+
+
+__all__ = ["cold_start", "phase_text"]

@@ -9,7 +9,8 @@ the key says ``_s`` / ``_ns``:
   gaps{request{class{...}}, engine{...}},
   steps{prefill_steps|decode_steps|all{steps, schedule_us_per_step, execute_us_per_step, update_us_per_step,
         idle_us_per_step, hidden_us_per_step, host_us_per_step, host_share}},
-  cold_start[{instance, role, cold_start_s, phases_s, idle_s, idle_share, largest_gap, ...}],
+  cold_start[{instance, role, cold_start_s, phases_s, phases[{name, start_s, seconds, within}], idle_s, idle_share,
+             largest_gap, ...}],
   findings[{kind, severity, size, unit, score, title, evidence, impact_ms{p50,p95,p99}|null, affected_requests?,
             impact_at?}] (impact: how much that TTFT percentile drops without the cause; analyzer/impact.py), advice[{because, change, expected_effect, ...}],
   slo{targets_ms, classes, violated[]}, change_points[...], versions[...]
@@ -25,7 +26,7 @@ import polars as pl
 
 from . import bottlenecks as bn
 from .advise import advise
-from .coldstart import cold_start
+from .coldstart import cold_start, phase_text
 from .compare import change_points
 from .decompose import by_percentile_band, decompose, phase_stats, tail_attribution
 from .findings import Context, run_detectors
@@ -137,7 +138,7 @@ def render_text(r: dict, markdown: bool = False) -> str:
         lines.append(h("Cold start"))
         for c in r["cold_start"]:
             lines.append(f"- {c['instance']}: {c['cold_start_s']:.1f} s (target {c['target_s']:.0f} s), idle {c['idle_share']:.0%}; "
-                         + ", ".join(f"{k} {v:.1f} s" for k, v in c["phases_s"].items()))
+                         + phase_text(c))
     lines.append(h("SLO"))
     for cls, res in r["slo"]["classes"].items():
         parts = [f"{q} {v['measured_ms']:.0f}/{v['target_ms']:.0f} ms {'ok' if v['ok'] else 'VIOLATED'}" for q, v in res.items()]

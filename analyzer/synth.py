@@ -411,11 +411,23 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
             starts.append(t)
             durs.append(d)
             t += d
+        # as vLLM's: the model's load runs within a "Worker init", which holds another of the same name
+        # (a phase is timed once, the parts within what holds them)
+        load_end = starts[1] + durs[1]
+        starts[1], durs[1] = starts[1] + MS, durs[1] - MS
+        names += ["Worker init"] * 2
+        starts += [p0, p0]
+        durs += [load_end - p0, (load_end - p0) // 2]
         m_ = len(names)
         tables.append(spans_table(m_, np.array(starts), np.full(m_, ptrace[0]), sids(m_, 14 + r),
                              np.array([""] + [proc_span[0]] * (m_ - 1), dtype=object), np.array(names, dtype=object),
                              "Internal", "vllm", wk, {Attr.RANK: np.full(m_, r)}, np.array(durs)))
-        cold_truth[f"worker-{r}"] = {"cold_start_s": cold / 1e9, "gap_s": gap / 1e9, "phases": [nm_ for nm_, _ in phases]}
+        cold_truth[f"worker-{r}"] = {"cold_start_s": cold / 1e9, "gap_s": gap / 1e9,
+                                     "phases": ["Worker init", *(nm_ for nm_, _ in phases)],
+                                     "within": {"Load model": "Worker init"},
+                                     "seconds": {"Worker init": (load_end - p0) / 1e9,
+                                                 **{nm_: d / 1e9 for nm_, d in zip(names[2:5], durs[2:5], strict=True)},
+                                                 "Load model": durs[1] / 1e9}}
 
     # ground truth, from the generated arrays only
     q99 = np.quantile(ttft, 0.99)

@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 from conftest import PY, ROOT
 from ttftscope.analyzer import Analyzer, Window, synth
+from ttftscope.analyzer.coldstart import phase_text
 from ttftscope.analyzer.decompose import GAP_COLUMNS, PHASE_COLUMNS, decompose
 from ttftscope.schemas.slo import SLO
 from ttftscope.schemas.store import open_store
@@ -109,6 +110,14 @@ def test_cold_start_split_into_phases(stores):
         assert c["cold_start_s"] == pytest.approx(t["cold_start_s"], rel=1e-6)
         assert c["idle_s"] == pytest.approx(t["gap_s"], rel=1e-3)
         assert list(c["phases_s"]) == t["phases"], "the phases in the order they started"
+        # each timed once (the nested "Worker init" not added to its own), within what holds it
+        assert c["phases_s"] == pytest.approx(t["seconds"], rel=1e-6)
+        assert {p["name"]: p["within"] for p in c["phases"] if p["within"]} == t["within"]
+        top = sum(p["seconds"] for p in c["phases"] if p["within"] is None)
+        assert top + c["idle_s"] == pytest.approx(c["cold_start_s"], rel=1e-6), "the top phases and idle make the start"
+        sec = t["seconds"]
+        want = f"Worker init {sec['Worker init']:.1f} s [Load model {sec['Load model']:.1f} s], Allocate KV cache"
+        assert phase_text(c).startswith(want), phase_text(c)
         assert c["largest_gap"]["after"] == "Allocate KV cache" and c["largest_gap"]["before"] == "Warmup (CPU)"
 
 

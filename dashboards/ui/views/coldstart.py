@@ -1,4 +1,5 @@
-"""Cold start: process start -> ready per process, split into its loading phases, vs the target."""
+"""Cold start: process start -> ready per process, its loading phases where they ran (parts inside
+the phase that holds them), vs the target."""
 
 import plotly.graph_objects as go
 import streamlit as st
@@ -14,17 +15,18 @@ with guard():
         st.info("No start-up spans in this window (they are emitted when vLLM starts with the plugin).")
         st.stop()
     fig = go.Figure()
-    for c in cold:
-        base = 0.0
-        for name, sec in sorted(c["phases_s"].items(), key=lambda kv: -kv[1]):
-            fig.add_bar(y=[c["instance"]], x=[sec], base=[base], orientation="h", name=name, legendgroup=name,
-                        showlegend=c is cold[0], hovertemplate=f"{name}: %{{x:.1f}} s<extra></extra>")
-            base += sec
-        if c["idle_s"] > 0:
-            fig.add_bar(y=[c["instance"]], x=[c["idle_s"]], base=[base], orientation="h", name="idle",
-                        marker_color="#d3d3d3", legendgroup="idle", showlegend=c is cold[0])
+    shown: set[str] = set()
+    for c in cold:  # each phase where it ran; a phase's parts drawn inside it, thinner (gaps: idle)
+        depth: dict[str, int] = {}
+        for p in c.get("phases", []):
+            depth[p["name"]] = d = depth.get(p["within"], -1) + 1 if p["within"] else 0
+            fig.add_bar(y=[c["instance"]], x=[p["seconds"]], base=[p["start_s"]], orientation="h", name=p["name"],
+                        legendgroup=p["name"], showlegend=p["name"] not in shown, width=0.8 * 0.7**d,
+                        hovertemplate=f"{p['name']}: %{{x:.1f}} s from %{{base:.1f}} s"
+                                      + (f" (in {p['within']})" if p["within"] else "") + "<extra></extra>")
+            shown.add(p["name"])
     fig.add_vline(x=target, line_dash="dash", line_color="red", annotation_text=f"target {target:.0f} s")
-    fig.update_layout(barmode="overlay", height=140 + 50 * len(cold), xaxis_title="seconds (phases stacked, idle last)",
+    fig.update_layout(barmode="overlay", height=140 + 50 * len(cold), xaxis_title="seconds from the process's start (a phase's parts inside it; gaps: idle)",
                       margin={"t": 30})
     st.plotly_chart(fig, width="stretch")
     for c in cold:
