@@ -1,6 +1,7 @@
 """Cold start: process start -> ready per process, its loading phases where they ran (parts inside
 the phase that holds them), vs the target."""
 
+import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 from ttftscope.analyzer import Window
@@ -16,12 +17,15 @@ with guard():
         st.stop()
     fig = go.Figure()
     shown: set[str] = set()
+    palette = px.colors.qualitative.Plotly + px.colors.qualitative.Pastel
+    color: dict[str, str] = {}  # one colour a phase, in every process's row
     for c in cold:  # each phase where it ran; a phase's parts drawn inside it, thinner (gaps: idle)
         depth: dict[str, int] = {}
         for p in c.get("phases", []):
             depth[p["name"]] = d = depth.get(p["within"], -1) + 1 if p["within"] else 0
+            color.setdefault(p["name"], palette[len(color) % len(palette)])
             fig.add_bar(y=[c["instance"]], x=[p["seconds"]], base=[p["start_s"]], orientation="h", name=p["name"],
-                        legendgroup=p["name"], showlegend=p["name"] not in shown, width=0.8 * 0.7**d,
+                        marker_color=color[p["name"]], legendgroup=p["name"], showlegend=p["name"] not in shown, width=0.8 * 0.7**d,
                         hovertemplate=f"{p['name']}: %{{x:.1f}} s from %{{base:.1f}} s"
                                       + (f" (in {p['within']})" if p["within"] else "") + "<extra></extra>")
             shown.add(p["name"])
@@ -33,4 +37,5 @@ with guard():
         g = c.get("largest_gap") or {}
         st.markdown(f"**{c['instance']}** ({c['role'] or 'process'}): {c['cold_start_s']:.1f} s "
                     f"{'⚠️ over target' if c['over_target'] else '✅'}; idle {c['idle_share']:.0%}"
-                    + (f"; largest gap {g['seconds']:.1f} s between *{g['after']}* and *{g['before']}*" if g else ""))
+                    + (f"; largest gap {g['seconds']:.1f} s between *{g['after']}* and *{g['before']}*"
+                       if g.get("seconds", 0) >= 0.05 else ""))
