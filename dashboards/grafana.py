@@ -179,10 +179,15 @@ def breakdown() -> dict:
 
 def cold_start() -> dict:
     names = in_list([*LOAD_SPANS, SpanName.PROCESS_START])
+    # a phase's seconds: the union of its spans (vLLM nests a "Worker init" in another, which a sum of
+    # durations counted twice), as analyzer.coldstart times it
     tl = table.Panel().title("Start-up phases per process").height(10).span(16).datasource(CH).with_target(ClickHouseQuery(
-        f"SELECT ResourceAttributes['{ResourceAttr.SERVICE_INSTANCE}'] AS instance, SpanName AS phase, "
-        f"min(Timestamp) AS start, round(sum(Duration) / 1e9, 2) AS seconds FROM otel_traces "
-        f"WHERE $__timeFilter(Timestamp) AND SpanName IN ({names}) GROUP BY instance, phase ORDER BY instance, start"))
+        f"SELECT instance, phase, min(ts) AS start, round(sum(greatest(e - greatest(s, reach), 0)) / 1e9, 2) AS seconds "
+        f"FROM (SELECT ResourceAttributes['{ResourceAttr.SERVICE_INSTANCE}'] AS instance, SpanName AS phase, "
+        f"Timestamp AS ts, toUnixTimestamp64Nano(Timestamp) AS s, s + toInt64(Duration) AS e, "
+        f"max(e) OVER (PARTITION BY instance, phase ORDER BY s ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach "
+        f"FROM otel_traces WHERE $__timeFilter(Timestamp) AND SpanName IN ({names})) "
+        f"GROUP BY instance, phase ORDER BY instance, start"))
     g = stat.Panel().title("Cold start (process start → ready)").unit("s").height(10).span(8).datasource(PROM) \
         .thresholds(_thresholds((None, "green"), (90, "red"))) \
         .with_target(_prom(f"max by (instance) ({M.COLD_START})", "{{instance}}"))
