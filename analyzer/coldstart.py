@@ -55,7 +55,7 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
         return []
     # union of loading intervals per process; blocks of overlapping spans
     lo = (loads.sort("trace", "s")
-          .with_columns(pl.col("e").cum_max().shift(1).over("trace").alias("prev_max"))
+          .with_columns(_reach("trace").alias("prev_max"))
           .with_columns(((pl.col("prev_max").is_null()) | (pl.col("s") > pl.col("prev_max"))).cast(pl.Int32)
                         .cum_sum().over("trace").alias("block")))
     blocks = (lo.group_by("trace", "block").agg(pl.col("s").min(), pl.col("e").max(),
@@ -92,6 +92,12 @@ def cold_start(store, window: Window, target_s: float = 90.0) -> list[dict]:
     return out
 
 
+def _reach(*by: str) -> pl.Expr:
+    """How far the spans before each one (rows sorted by start within ``by``) reached: the end of
+    the union so far (null for the first); a span past it starts a new block of overlapping ones."""
+    return pl.col("e").cum_max().shift(1).over(*by)
+
+
 def _phases(loads: pl.DataFrame) -> pl.DataFrame:
     """Each process's loading phases (``trace``, ``name``, ``d``: ns, ``s0``/``e1``: extent, ``within``),
     in the order they started. A phase's time is the union of its spans: vLLM nests a "Worker init"
@@ -99,7 +105,7 @@ def _phases(loads: pl.DataFrame) -> pl.DataFrame:
     process that spans it: vLLM's "EngineCoreProc init" holds "Executor init" and "Prepare model",
     whose times are parts of its, not added to it (a sum of every phase came to 34 s of a 20-s start)."""
     ph = (loads.sort("trace", "name", "s")
-          .with_columns(pl.col("e").cum_max().shift(1).over("trace", "name").alias("reach"))
+          .with_columns(_reach("trace", "name").alias("reach"))
           .with_columns((pl.col("e") - pl.max_horizontal("s", pl.col("reach").fill_null(pl.col("s")))).clip(0).alias("d"))
           .group_by("trace", "name").agg(pl.col("d").sum(), pl.col("s").min().alias("s0"), pl.col("e").max().alias("e1"))
           .sort("trace", "s0", pl.col("e1"), "name", descending=[False, False, True, False])

@@ -16,19 +16,18 @@ with guard():
         st.info("No start-up spans in this window (they are emitted when vLLM starts with the plugin).")
         st.stop()
     fig = go.Figure()
-    shown: set[str] = set()
     palette = px.colors.qualitative.Plotly + px.colors.qualitative.Pastel
     color: dict[str, str] = {}  # one colour a phase, in every process's row
     for c in cold:  # each phase where it ran; a phase's parts drawn inside it, thinner (gaps: idle)
         depth: dict[str, int] = {}
         for p in c.get("phases", []):
             depth[p["name"]] = d = depth.get(p["within"], -1) + 1 if p["within"] else 0
+            first = p["name"] not in color  # (its legend entry, once)
             color.setdefault(p["name"], palette[len(color) % len(palette)])
             fig.add_bar(y=[c["instance"]], x=[p["seconds"]], base=[p["start_s"]], orientation="h", name=p["name"],
-                        marker_color=color[p["name"]], legendgroup=p["name"], showlegend=p["name"] not in shown, width=0.8 * 0.7**d,
+                        marker_color=color[p["name"]], legendgroup=p["name"], showlegend=first, width=0.8 * 0.7**d,
                         hovertemplate=f"{p['name']}: %{{x:.1f}} s from %{{base:.1f}} s"
                                       + (f" (in {p['within']})" if p["within"] else "") + "<extra></extra>")
-            shown.add(p["name"])
     fig.add_vline(x=target, line_dash="dash", line_color="red", annotation_text=f"target {target:.0f} s")
     fig.update_layout(barmode="overlay", height=140 + 50 * len(cold), xaxis_title="seconds from the process's start (a phase's parts inside it; gaps: idle)",
                       margin={"t": 30})
