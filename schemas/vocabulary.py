@@ -72,11 +72,14 @@ class Attr:
     CHUNK = f"{PREFIX}.prefill.chunk"  # chunk index within a request's prefill
     TOKENS_COMPUTED = f"{PREFIX}.tokens.computed"
     TOKENS_CACHED = f"{PREFIX}.tokens.cached"  # served from the prefix cache
-    #: the first block's hash of the prompt (PREFIX_BLOCK tokens; first chunk only)
+    #: the first block's hash of the prompt (PREFIX_BLOCK_TOKENS tokens; first chunk only)
     PREFIX_HASH = f"{PREFIX}.prefix.hash"
-    #: chained hashes of the prompt's PREFIX_BLOCK-token blocks, comma-separated (first chunk
+    #: chained hashes of the prompt's whole blocks, comma-separated (first chunk
     #: only, up to PREFIX_MAX_BLOCKS): two prompts share their first k blocks when their k-th agree
     PREFIX_CHAIN = f"{PREFIX}.prefix.chain"
+    #: tokens in each block of PREFIX_HASH / PREFIX_CHAIN: vLLM's hash block size where its own
+    #: block hashes were taken (prefix caching on), PREFIX_BLOCK where the plugin hashed the token ids
+    PREFIX_BLOCK_TOKENS = f"{PREFIX}.prefix.block_tokens"
     #: the engine's KV-cache block size in tokens (first chunk only): a prefix-cache hit covers
     #: whole blocks, never the prompt's last token
     KV_BLOCK_SIZE = f"{PREFIX}.kv.block_size"

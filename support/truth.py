@@ -17,6 +17,7 @@ import random
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,12 +197,14 @@ drive_pairs.toggles = True  # drive_parts hands it the switch directory: it swit
 def drive_prefix(srv: VllmServer, n: int = 32) -> list[dict]:
     """``n`` prompts that start with the same long prefix (LONG_SHARED, then 40–120 words of
     their own, after a one-token tag), each sent three times in a row, the tag differing (the
-    prompts share only the prefix): once as is (a prefix-cache hit) and twice with
-    a ``cache_salt`` of its own (misses: most repeats miss, as when a cache is too small), the
-    hit first, second or last in turn: hits and misses share every condition of the run (the
-    machine's hiccups, the collector's flushes). One token each (streaming and not). First the
-    prefix's own prefill and a few hits, untimed (the first hits run slower while the engine
-    warms to them). Rows: ``salted``, ``pair`` (the prompt's number), ``shared`` (all)."""
+    prompts share only the prefix): once as is (a prefix-cache hit) and twice right after vLLM's
+    prefix cache was emptied (``POST /reset_prefix_cache``, vLLM's dev-mode endpoint: misses, as
+    when a cache too small evicted the prefix), the hit first, second or last in turn: hits and
+    misses share every condition of the run (the machine's hiccups, the collector's flushes).
+    One token each (streaming and not). First the prefix's own prefill and a few hits, untimed
+    (the first hits run slower while the engine warms to them). Rows: ``salted`` (a miss: the
+    column keeps its name from when a ``cache_salt`` made them, which vLLM's own block hashes now
+    keep apart from the hits' prefix), ``pair`` (the prompt's number), ``shared`` (all)."""
     for i in range(4):
         srv.completion(LONG_SHARED + " " + prompt_of(30, 1900 + i), 1)
     out = []
@@ -209,12 +212,26 @@ def drive_prefix(srv: VllmServer, n: int = 32) -> list[dict]:
         stream = i % 3 != 2
         own = prompt_of(40 + 20 * (i % 5), 1300 + i)
         for k, tag in enumerate("fgh"):  # after the prefix, a one-token tag: the three differ from there on
-            salted, prompt = k != i % 3, LONG_SHARED + " " + tag + " " + own
-            salt = f"p-{i}-{time.time_ns()}" if salted else None
-            out.append({**client_ttft(srv.port, srv.model, prompt, stream, False, 1, salt), "stream": stream,
-                        "shared": True, "salted": salted, "pair": i})
+            missed, prompt = k != i % 3, LONG_SHARED + " " + tag + " " + own
+            if missed:
+                reset_prefix_cache(srv)
+                time.sleep(0.05)
+            out.append({**client_ttft(srv.port, srv.model, prompt, stream, False, 1), "stream": stream,
+                        "shared": True, "salted": missed, "pair": i})
             time.sleep(0.05)
     return out
+
+
+def reset_prefix_cache(srv: VllmServer, tries: int = 50) -> None:
+    """Empties vLLM's prefix cache (its dev-mode endpoint: the server runs with
+    ``VLLM_SERVER_DEV_MODE=1``); vLLM refuses while a request holds blocks, so it retries."""
+    for _ in range(tries):
+        req = urllib.request.Request(f"{srv.url}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if json.loads(r.read() or b"{}").get("success", True):
+                return
+        time.sleep(0.02)
+    raise RuntimeError("vLLM did not empty its prefix cache")
 
 
 def _set(flag: Path, on: bool) -> None:
@@ -495,7 +512,8 @@ def switched_env(switches: Path, faults: dict[str, str] | None = None) -> dict:
     """A server environment with ``faults`` (default: every one in FAULTS, for ``drive_parts``)
     planted by tests/planted, each switched off until its file appears in ``switches``."""
     switches.mkdir(parents=True, exist_ok=True)
-    return {"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(switches), **(FAULTS if faults is None else faults)}
+    return {"PYTHONPATH": str(PLANTED), "PLANTED_SWITCH_DIR": str(switches), **(FAULTS if faults is None else faults),
+            "VLLM_SERVER_DEV_MODE": "1"}  # (drive_prefix empties the prefix cache through it)
 
 
 def drive_parts(srv: VllmServer, switches: Path) -> list[dict]:

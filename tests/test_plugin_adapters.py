@@ -6,6 +6,7 @@ decision reads vLLM's own config, configuration honours the OTEL_* variables, an
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import subprocess
@@ -498,9 +499,12 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     tp = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
 
     class Req:  # vLLM's Request, as far as the hooks go; its per-request reads are watched
-        def __init__(self, rid: str, prompt: int, cached: int) -> None:
+        def __init__(self, rid: str, prompt: int, cached: int, hashed: int = 0) -> None:
             self.request_id, self.external_req_id, self.num_computed_tokens = rid, rid[:-9], cached
             self._tp, self._toks = tp, list(range(prompt))
+            # vLLM's own block hashes (prefix caching on), ``hashed`` of them: its whole blocks,
+            # and perhaps its output's after them
+            self._bh = [hashlib.sha256(f"{rid}{i}".encode()).digest() for i in range(hashed)]
             self.prefill_stats = Stats(num_prompt_tokens=prompt, num_cached_tokens=cached)
             self.num_output_tokens = 0  # (read on the loop only in a step that resumes it after a preemption)
 
@@ -517,6 +521,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         prompt_token_ids = property(lambda self: self._read("prompt_token_ids", self._toks))
         num_prompt_tokens = property(lambda self: self._read("num_prompt_tokens", len(self._toks)))
         priority = property(lambda self: self._read("priority", 0))
+        block_hashes = property(lambda self: self._read("block_hashes", self._bh))
 
     class Stats(NS):  # vLLM's PrefillStats
         pass
@@ -524,7 +529,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     class Sched(NS):  # vLLM's scheduler
         pass
 
-    sched = Sched(requests={}, running=[], waiting=[], max_num_running_reqs=8, block_size=16,
+    sched = Sched(requests={}, running=[], waiting=[], max_num_running_reqs=8, block_size=16, hash_block_size=16,
                   _inflight_prefills=set())
     st = SP.EngineState()
     if where == "in-the-export-sidecar":  # as the scheduler adapter registers vLLM's classes
@@ -572,7 +577,7 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     dec = Req("dec-0-deadbeef", 8, 0)
     dec.num_computed_tokens, dec.num_output_tokens = 9, 2  # a running request, decoding
     sched.requests[dec.request_id] = dec
-    long, short = Req("long-0-deadbeef", 2049, 0), Req("short-0-deadbeef", 40, 16)
+    long, short = Req("long-0-deadbeef", 2049, 0, hashed=128), Req("short-0-deadbeef", 40, 16)
     step(1.0, {"long-0-deadbeef": 1024}, new=[long])
     step(1.1, {"long-0-deadbeef": 1024, "short-0-deadbeef": 24}, new=[short], finished=["short-0-deadbeef"])
     step(1.2, {"long-0-deadbeef": 1, "dec-0-deadbeef": 1})
@@ -589,7 +594,8 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     # preempted mid-prefill (as seen on real vLLM with a small KV cache): vLLM drops what it had
     # computed and puts it back to wait; resumed, its first whole block is a prefix-cache hit
     # and it comes back among the cached requests, with no prefill in progress before the step
-    pre = Req("pre-0-deadbeef", 300, 0)
+    pre = Req("pre-0-deadbeef", 300, 0, hashed=25)  # 18 whole blocks of prompt, 7 of output
+    pre_hashes = pre._bh
     step(1.8, {"pre-0-deadbeef": 157, "dec-0-deadbeef": 1}, new=[pre])
     pre.num_computed_tokens = 0
     sched._inflight_prefills.discard(pre)
@@ -635,6 +641,18 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
                    ("long-0", 1, 2, 1024, 0), ("long-0", 2, 3, 1, 0),
                    ("mid-0", 0, 12, 20, 0), ("pre-0", 0, 9, 157, 0), ("pre-0", 1, 13, 126, 0), ("pre-0", 2, 14, 46, 0),
                    ("short-0", 0, 2, 24, 16)], pre
+    # the prompt's prefix: vLLM's own block hashes where it made them (16-token blocks, up to
+    # PREFIX_MAX_BLOCKS, the prompt's only), else the plugin's of its token ids (64-token blocks)
+    from ttftscope.collector.vllm_plugin.prefix import PrefixHashes
+    from ttftscope.schemas.vocabulary import PREFIX_BLOCK, PREFIX_MAX_BLOCKS
+
+    prefix = {s[3][Attr.REQUEST_ID]: (str(s[3][Attr.PREFIX_HASH]), str(s[3][Attr.PREFIX_CHAIN]),
+                                      s[3][Attr.PREFIX_BLOCK_TOKENS])
+              for s in spans if s[0] == SpanName.PREFILL and Attr.PREFIX_HASH in s[3]}
+    assert prefix == {
+        "long-0": (long._bh[0][:6].hex(), ",".join(h[:6].hex() for h in long._bh[:PREFIX_MAX_BLOCKS]), 16),
+        "pre-0": (pre_hashes[0][:6].hex(), ",".join(h[:6].hex() for h in pre_hashes[:300 // 16]), 16),
+        "gone-0": (str(p := PrefixHashes(gone._toks)), str(p.chain), PREFIX_BLOCK)}, prefix
     resumed = [(s[3][Attr.REQUEST_ID], s[3][Attr.CHUNK]) for s in spans
                if s[0] == SpanName.PREFILL and s[3].get(Attr.PREFILL_RESUMED)]
     assert resumed == [("pre-0", 1)], "the chunk after a preemption says so (the wait before it was the preemption's)"

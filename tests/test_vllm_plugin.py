@@ -235,6 +235,27 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
     assert "prefix_cache_misses" not in [f["kind"] for f in report["findings"]]
 
 
+def test_the_prefix_hashes_are_vllms_own_and_share_what_its_cache_hit(tp1):
+    """With prefix caching on (vLLM's default) the prefill spans carry vLLM's own block hashes
+    (no token ids are handed from the engine core): blocks of vLLM's block size (witness: its
+    ``vllm:cache_config_info``), and each repeat of the shared prefix shares with the first as
+    many blocks as vLLM's prefix cache hit for it (witness: vLLM's own count, which
+    ``test_prompt_and_cached_tokens_agree_with_vllms_own_counters`` holds to its counter)."""
+    store, ids, _, witness = tp1
+    block = int(witness["cache_config"]["block_size"])
+    rows = {r["rid"]: r for r in ttftscope_sql(store, f"""
+        SELECT SpanAttributes['gen_ai.request.id'] AS rid, SpanAttributes['{Attr.PREFIX_CHAIN}'] AS chain,
+               SpanAttributes['{Attr.PREFIX_BLOCK_TOKENS}'] AS b, toInt64(SpanAttributes['{Attr.TOKENS_CACHED}']) AS cached
+        FROM otel_traces WHERE SpanName = '{SpanName.PREFILL}' AND SpanAttributes['{Attr.CHUNK}'] = '0'""")}
+    assert {r["b"] for r in rows.values() if r["chain"]} == {str(block)}, rows
+    prefix = [next(r for k, r in rows.items() if k.startswith(rid) or rid.startswith(k)) for rid in ids["prefix"]]
+    first = prefix[0]["chain"].split(",")
+    for r in prefix[1:]:
+        mine = r["chain"].split(",")
+        shared = next((i for i, (a, b) in enumerate(zip(first, mine, strict=False)) if a != b), min(len(first), len(mine)))
+        assert r["cached"] > 0 and shared * block == r["cached"], (shared, block, r["cached"])
+
+
 def test_every_vllm_metric_our_alerts_and_dashboards_read_is_one_vllm_exports(tp1):
     """The alerts and dashboards read vLLM's own series by name (``schemas/metrics.py``'s
     ``VLLM_*``): a name vLLM does not export (renamed in a release) would leave an alert that

@@ -59,6 +59,8 @@ ST = EngineState()
                     Internal(_REQ, "Request.trace_headers", "attribute"),
                     Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
                     Internal(_REQ, "Request.prompt_token_ids", "attribute"),
+                    Internal(_REQ, "Request.block_hashes", "attribute"),
+                    Internal(_SCHED, "Scheduler.hash_block_size", "attribute"),
                     Internal(_REQ, "Request.priority", "attribute"),
                     Internal(_REQ, "Request.prefill_stats", "attribute"),
                     Internal("vllm.v1.metrics.stats", "PrefillStats.num_cached_tokens", "attribute"),

@@ -57,6 +57,7 @@ def _prefill_attrs(c: Chunk, step: int, batch: int, engine: str) -> dict:
     if ph is not None:
         attrs[Attr.PREFIX_HASH] = ph
         attrs[Attr.PREFIX_CHAIN] = ph.chain
+        attrs[Attr.PREFIX_BLOCK_TOKENS] = ph.block
     return attrs
 
 
@@ -260,12 +261,20 @@ def _prefill_work(st: EngineState, sched, ns: dict, cached_ids: list, cached_com
         if idx:
             chunks.append((req_id, n, 0, idx, th, external, None, None, req_id in again))
             continue
-        toks = req.prompt_token_ids
         # cached: vLLM's own count when it has one, else what was computed before
         chunks.append((req_id, n, ps.num_cached_tokens if ps is not None and ps.num_prompt_tokens else max(prior, 0),
-                       0, th, external, PrefixHashes(toks) if toks is not None and len(toks) >= PREFIX_BLOCK else None,
-                       sched.block_size, False))
+                       0, th, external, _prefix_of(req, prompt, sched), sched.block_size, False))
     return (chunks, queued, recompute) if chunks or queued or recompute else None
+
+
+def _prefix_of(req, prompt: int, sched) -> PrefixHashes | None:
+    """The prompt's prefix hashes: vLLM's own block hashes where it made them (prefix caching on),
+    else its token ids, hashed when encoded (:class:`.prefix.PrefixHashes`)."""
+    engine = getattr(req, "block_hashes", None)
+    if engine:
+        return PrefixHashes.of_engine(engine, prompt, getattr(sched, "hash_block_size", None) or sched.block_size)
+    toks = req.prompt_token_ids
+    return PrefixHashes(toks) if toks is not None and len(toks) >= PREFIX_BLOCK else None
 
 
 class InPrefill:

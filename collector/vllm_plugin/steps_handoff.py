@@ -72,7 +72,7 @@ class PlainRequest:
     """What the sorting reads of vLLM's ``Request``, handed over (``_plain_request``)."""
 
     __slots__ = ("trace_headers", "external_req_id", QUEUED, RECEIVED, "priority", "num_prompt_tokens",
-                 "prompt_token_ids")
+                 "prompt_token_ids", "block_hashes")
 
     def __init__(self, *values) -> None:
         for k, v in zip(self.__slots__, values, strict=True):
@@ -92,13 +92,19 @@ class PlainScheduler:
     """What the sorting reads of vLLM's scheduler (``requests`` is not handed over, None: whether a
     request is gone is not known here, :func:`.steps._let_go`)."""
 
-    __slots__ = ("block_size", "max_num_running_reqs", "requests")
+    __slots__ = ("block_size", "max_num_running_reqs", "requests", "hash_block_size")
 
-    def __init__(self, block_size, max_num_running_reqs) -> None:
+    def __init__(self, block_size, max_num_running_reqs, hash_block_size=None) -> None:
         self.block_size, self.max_num_running_reqs, self.requests = block_size, max_num_running_reqs, None
+        self.hash_block_size = hash_block_size
 
 
 def _plain_request(r) -> tuple:
+    engine = getattr(r, "block_hashes", None)  # vLLM's own (prefix caching on): a few short bytes, not the prompt
+    if engine:
+        return PlainRequest, (r.trace_headers, getattr(r, "external_req_id", None), getattr(r, QUEUED, None),
+                              getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, None,
+                              engine[:PREFIX_MAX_BLOCKS])
     toks = r.prompt_token_ids
     if toks is not None:  # the whole blocks that are hashed, as a plain list (pickled in C)
         k = min(len(toks), PREFIX_BLOCK * PREFIX_MAX_BLOCKS) // PREFIX_BLOCK * PREFIX_BLOCK
@@ -106,7 +112,7 @@ def _plain_request(r) -> tuple:
         if type(toks) is not list:  # (vLLM's own list type, or a view)
             toks = list(toks)
     return PlainRequest, (r.trace_headers, getattr(r, "external_req_id", None), getattr(r, QUEUED, None),
-                          getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, toks)
+                          getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, toks, None)
 
 
 def _plain_stats(ps) -> tuple:
@@ -114,7 +120,7 @@ def _plain_stats(ps) -> tuple:
 
 
 def _plain_scheduler(sched) -> tuple:
-    return PlainScheduler, (sched.block_size, sched.max_num_running_reqs)
+    return PlainScheduler, (sched.block_size, sched.max_num_running_reqs, getattr(sched, "hash_block_size", None))
 
 
 def _hand_over_as_plain(scheduler_cls: type) -> None:

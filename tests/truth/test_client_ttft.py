@@ -7,7 +7,7 @@ batch, after vLLM's own TTFT clock stopped), a slow tokenizer (1 ms per prompt t
 gap (the API server awaiting 60 ms between rendering a prompt and handing it to the engine), each
 switched on for one of two twin requests (the other its baseline, in the same conditions); engine
 host overhead (the engine core 10 ms longer in update_from_output) for a whole part; long-prefix
-requests each sent three times, as a prefix-cache hit and with a cache salt of its own (misses);
+requests each sent three times, as a prefix-cache hit and right after vLLM's prefix cache was emptied (misses);
 bursts that queue, the engine loop pausing 50 ms after each step in every other burst; a busy
 engine (every worker step 30 ms longer, update 10 ms longer) while other requests decode. Its
 worker also waited 8 s in its start-up, between loading and warming up (an idle cold start). The
@@ -286,7 +286,9 @@ def test_with_the_prefix_cache_off_the_misses_are_reported(nocache, tmp_path):
 
 def test_prefix_cache_misses_are_named_with_their_size(prefix, sizes):
     """Long-prefix requests, each sent as a prefix-cache hit and, alternately before or after
-    it, with a ``cache_salt`` of its own (a miss): what the misses cost (client TTFT p50, misses
+    it, right after vLLM's prefix cache was emptied (``POST /reset_prefix_cache``: a miss; a
+    ``cache_salt`` no longer makes one, since vLLM's own block hashes, which the plugin takes,
+    keep a salted prompt apart from the hits' prefix, as its cache does): what the misses cost (client TTFT p50, misses
     minus hits) is what the finding on that window says removing them would save on them, within
     15%. What a hit would have covered, the detector's ``hit_tokens`` (the shared
     prefix from the prompts' block hashes, in whole KV blocks), is what vLLM's prefix cache did
@@ -310,7 +312,10 @@ def test_prefix_cache_misses_are_named_with_their_size(prefix, sizes):
         pairs.select("pair", "hit_tokens", "cached")
     print(f"{miss.height} misses, {hit.height} hits")
     assert s.effect_ms >= 3, "the misses reached the client"
-    # Measured: 48.4 vs 49.1, 50.2 vs 51.0 ms (a 1,100-word prefix, 32 prompts). With a 600-word
+    # Measured, the misses made by emptying vLLM's cache (2026-12-07): the client lost 372.2 ms at
+    # p50, the finding said 367.1 (each miss recomputes the ~1,024 prefix tokens a hit took from
+    # the cache, 8 more chunks of ~45 ms on this VM). With salted misses: 48.4 vs 49.1, 50.2 vs
+    # 51.0 ms (a 1,100-word prefix, 32 prompts). With a 600-word
     # one and 24 prompts the effect was ~20 ms and the p50s' difference moved by +-2 ms between
     # runs (8-15% off) while the finding's per-request saving stayed within 2% of the paired one.
     _within(s, 0.15)
