@@ -202,9 +202,10 @@ def drive_prefix(srv: VllmServer, n: int = 32) -> list[dict]:
     when a cache too small evicted the prefix), the hit first, second or last in turn: hits and
     misses share every condition of the run (the machine's hiccups, the collector's flushes).
     One token each (streaming and not). First the prefix's own prefill and a few hits, untimed
-    (the first hits run slower while the engine warms to them). Rows: ``salted`` (a miss: the
-    column keeps its name from when a ``cache_salt`` made them, which vLLM's own block hashes now
-    keep apart from the hits' prefix), ``pair`` (the prompt's number), ``shared`` (all)."""
+    (the first hits run slower while the engine warms to them; a ``cache_salt`` no longer makes a
+    miss here: vLLM's own block hashes, which the plugin takes, keep a salted prompt apart from the
+    hits' prefix, as vLLM's cache does). Rows: ``missed``, ``pair`` (the prompt's number),
+    ``shared`` (all)."""
     for i in range(4):
         srv.completion(LONG_SHARED + " " + prompt_of(30, 1900 + i), 1)
     out = []
@@ -217,7 +218,7 @@ def drive_prefix(srv: VllmServer, n: int = 32) -> list[dict]:
                 reset_prefix_cache(srv)
                 time.sleep(0.05)
             out.append({**client_ttft(srv.port, srv.model, prompt, stream, False, 1), "stream": stream,
-                        "shared": True, "salted": missed, "pair": i})
+                        "shared": True, "missed": missed, "pair": i})
             time.sleep(0.05)
     return out
 
@@ -497,7 +498,7 @@ SWITCHED_PARTS = {  # part -> (the faults switched on, the load); each part's pr
     "hostbase": ((), functools.partial(drive, tag="k", warm=False, max_tokens=1, n=96)),
     "host": (("PLANTED_UPDATE_MS",), functools.partial(drive, tag="d", warm=False, max_tokens=1, n=96)),
     "hostafter": ((), functools.partial(drive, tag="l", warm=False, max_tokens=1, n=96)),
-    # long-prefix requests, each as a prefix-cache hit and salted (a miss), interleaved: what misses cost
+    # long-prefix requests, each as a prefix-cache hit and after the cache was emptied (a miss), interleaved: what misses cost
     "prefix": ((), drive_prefix),
     # bursts that queue, the engine loop pausing 50 ms after every step in every other burst (see
     # LOOP_PAUSE_MS)
@@ -736,8 +737,8 @@ def sized_parts(df: pl.DataFrame, store: str, run: str, only: set[str] | None = 
         "slowtok": ("slowtok", "tokenize_dominates", *twins["slowtok"]),
         "hostgap": ("hostgap", "host_gap", *twins["hostgap"]),
         "host": ("host", "engine_host_overhead", part["host"], pl.concat([part["hostbase"], part["hostafter"]])),
-        "prefix": ("prefix", "prefix_cache_misses", part["prefix"].filter(pl.col("salted")),
-                   part["prefix"].filter(~pl.col("salted"))),
+        "prefix": ("prefix", "prefix_cache_misses", part["prefix"].filter(pl.col("missed")),
+                   part["prefix"].filter(~pl.col("missed"))),
         "bubbles": ("bubbles", "scheduling_bubbles", part["bubbles"].filter(pl.col("paused")),
                     part["bubbles"].filter(~pl.col("paused"))),
     }
