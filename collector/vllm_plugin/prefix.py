@@ -54,7 +54,7 @@ class PrefixHashes:
     def hashes(self) -> list[str]:
         if self._hashes is None:
             if self.engine is not None:
-                out = [bytes(h[:6]).hex() for h in self.engine]
+                out = [h[:6].hex() for h in self.engine]
             else:
                 t, b, h, out = self.toks, PREFIX_BLOCK, 0, []
                 for i in range(0, len(t) // b * b, b):

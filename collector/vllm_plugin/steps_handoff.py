@@ -101,18 +101,18 @@ class PlainScheduler:
 
 def _plain_request(r) -> tuple:
     engine = getattr(r, "block_hashes", None)  # vLLM's own (prefix caching on): a few short bytes, not the prompt
+    toks = None
     if engine:
-        return PlainRequest, (r.trace_headers, getattr(r, "external_req_id", None), getattr(r, QUEUED, None),
-                              getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, None,
-                              engine[:PREFIX_MAX_BLOCKS])
-    toks = r.prompt_token_ids
-    if toks is not None:  # the whole blocks that are hashed, as a plain list (pickled in C)
-        k = min(len(toks), PREFIX_BLOCK * PREFIX_MAX_BLOCKS) // PREFIX_BLOCK * PREFIX_BLOCK
-        toks = toks[:k] if k < len(toks) else toks
-        if type(toks) is not list:  # (vLLM's own list type, or a view)
-            toks = list(toks)
+        engine = engine[:PREFIX_MAX_BLOCKS]
+    else:
+        engine, toks = None, r.prompt_token_ids
+        if toks is not None:  # the whole blocks that are hashed, as a plain list (pickled in C)
+            k = min(len(toks), PREFIX_BLOCK * PREFIX_MAX_BLOCKS) // PREFIX_BLOCK * PREFIX_BLOCK
+            toks = toks[:k] if k < len(toks) else toks
+            if type(toks) is not list:  # (vLLM's own list type, or a view)
+                toks = list(toks)
     return PlainRequest, (r.trace_headers, getattr(r, "external_req_id", None), getattr(r, QUEUED, None),
-                          getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, toks, None)
+                          getattr(r, RECEIVED, None), r.priority, r.num_prompt_tokens, toks, engine)
 
 
 def _plain_stats(ps) -> tuple:
