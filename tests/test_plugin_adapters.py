@@ -469,7 +469,7 @@ def test_decode_steps_merge_into_runs_and_prefill_steps_stand_alone(monkeypatch)
     assert alone[Attr.STEP] == 11 and alone[Attr.STEP_PREFILL_TOKENS] == 100 and alone[Attr.STEP_DECODE_TOKENS] == 1
 
 
-@pytest.mark.parametrize("where", ["in-vllms-process", "in-the-export-sidecar"])
+@pytest.mark.parametrize("where", ["in-vllms-process", "in-the-export-sidecar", "in-the-export-sidecar-few-running"])
 def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     """Unit level (real vLLM drives it in test_vllm_plugin.py and the truth tests): on the engine
     loop the hooks keep references only — no request's prompt, trace headers or counts are read
@@ -480,7 +480,9 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     hook runs) with 16 of its tokens from the prefix cache. ``in-the-export-sidecar``: the same
     steps handed over as the step-flush thread does where there is a sidecar (one record a
     second, written into a real frame with vLLM's objects as their plain values, read back), and
-    sorted out there: the same spans."""
+    sorted out there: the same spans. A prompt step hands over the snapshots of its requests in
+    prompt work only, or (``few-running``: fewer running beside its new requests than
+    ``WHOLE_BELOW``) all of them."""
     import dataclasses
     import pickle
     from types import SimpleNamespace as NS
@@ -532,7 +534,9 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
     sched = Sched(requests={}, running=[], waiting=[], max_num_running_reqs=8, block_size=16, hash_block_size=16,
                   _inflight_prefills=set())
     st = SP.EngineState()
-    if where == "in-the-export-sidecar":  # as the scheduler adapter registers vLLM's classes
+    if where != "in-vllms-process":  # as the scheduler adapter registers vLLM's classes
+        if where == "in-the-export-sidecar":
+            monkeypatch.setattr(SH, "WHOLE_BELOW", 1)  # (one decode runs beside: as if it were many)
         monkeypatch.setattr(handoff, "PLAIN", {Req: SH._plain_request, Stats: SH._plain_stats,
                                                Sched: SH._plain_scheduler})
         monkeypatch.setattr(RT, "processor", NS(link=NS(broken=False)))
@@ -628,6 +632,19 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         (_, ((_, got),), _) = pickle.loads(bytes(frame[4:]))  # ... the sidecar reads it
         assert {type(x).__name__ for r in got for it in r[3][1] if it and len(it) == 10
                 for x in (it[5], *(a[1] for a in it[0][3] or ()))} == {"PlainScheduler", "PlainRequest"}
+        # of the output's per-request snapshots, a prompt step hands over those of the requests in
+        # prompt work only (admitted, resumed, or in vLLM's set of prefills in progress before it):
+        # the running decode's are O(running) a prompt step, read by nothing there
+        work = [it for r in got for it in r[3][1] if it and len(it) == 10]
+        assert all(it[0][8] == () for it in work), "vLLM's requests in prefill before a step stay in its process"
+        handed = {it[0][0]: (sorted(it[1][0] if type(it[1]) is tuple else it[1]), it[3]) for it in work}
+        with_dec = {s for s, (ns, ids) in handed.items() if "dec-0-deadbeef" in ns or "dec-0-deadbeef" in ids}
+        if where == "in-the-export-sidecar":
+            assert with_dec == {15, 16}, handed
+            assert handed[3] == (["long-0-deadbeef"], ["long-0-deadbeef"]) and handed[2][0] == ["long-0-deadbeef",
+                                                                                              "short-0-deadbeef"]
+        else:  # handed over whole
+            assert with_dec == set(handed) - {1, 2} and {15, 16} < with_dec, handed  # (every step it ran in)
         monkeypatch.setattr(RT, "deferred", None)  # (the sidecar's: no span source of its own)
         sorter = SH.StepSorter()
         monkeypatch.setitem(READ_OUT, STEP_LOG, sorter)
@@ -636,11 +653,11 @@ def test_prompt_chunks_are_sorted_out_off_the_engine_loop(monkeypatch, where):
         st = sorter.engines[st.engine][0]
     spans = [(r[0], r[1], r[2], r[3]) for r in expand(q.take(len(q)))]
     pre = sorted((s[3][Attr.REQUEST_ID], s[3][Attr.CHUNK], s[3][Attr.STEP], s[3][Attr.TOKENS_COMPUTED],
-                  s[3][Attr.TOKENS_CACHED]) for s in spans if s[0] == SpanName.PREFILL)
-    assert pre == [("gone-0", 0, 5, 1024, 0), ("late-0", 0, 8, 20, 0), ("long-0", 0, 1, 1024, 0),
-                   ("long-0", 1, 2, 1024, 0), ("long-0", 2, 3, 1, 0),
-                   ("mid-0", 0, 12, 20, 0), ("pre-0", 0, 9, 157, 0), ("pre-0", 1, 13, 126, 0), ("pre-0", 2, 14, 46, 0),
-                   ("short-0", 0, 2, 24, 16)], pre
+                  s[3][Attr.TOKENS_CACHED], s[3][Attr.BATCH_SIZE]) for s in spans if s[0] == SpanName.PREFILL)
+    assert pre == [("gone-0", 0, 5, 1024, 0, 2), ("late-0", 0, 8, 20, 0, 2), ("long-0", 0, 1, 1024, 0, 1),
+                   ("long-0", 1, 2, 1024, 0, 2), ("long-0", 2, 3, 1, 0, 2),
+                   ("mid-0", 0, 12, 20, 0, 2), ("pre-0", 0, 9, 157, 0, 2), ("pre-0", 1, 13, 126, 0, 2),
+                   ("pre-0", 2, 14, 46, 0, 2), ("short-0", 0, 2, 24, 16, 2)], pre
     # the prompt's prefix: vLLM's own block hashes where it made them (16-token blocks, up to
     # PREFIX_MAX_BLOCKS, the prompt's only), else the plugin's of its token ids (64-token blocks)
     from ttftscope.collector.vllm_plugin.prefix import PrefixHashes

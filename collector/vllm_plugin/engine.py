@@ -56,6 +56,7 @@ ST = EngineState()
                     Internal(_REQ, "Request.num_tokens", "attribute"),
                     Internal(_REQ, "Request.num_output_tokens", "attribute"),
                     Internal(_SCHED, "Scheduler._inflight_prefills", "attribute"),
+                    Internal(_REQ, "Request.request_id", "attribute"),
                     Internal(_REQ, "Request.trace_headers", "attribute"),
                     Internal(_REQ, "Request.num_prompt_tokens", "attribute"),
                     Internal(_REQ, "Request.prompt_token_ids", "attribute"),
@@ -266,6 +267,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
         except (AttributeError, TypeError):  # an output that takes no attribute: steps go unstamped
             st.stamp = False
     new = out.scheduled_new_reqs
+    before = st.after_prompt  # vLLM's prefills in progress before this step (as the last one left them)
     admitted = None
     # (a request preempted mid-prefill and resumed comes back among the cached requests, not
     # the new ones, and is no prefill in progress before its step: without the last test its
@@ -273,7 +275,7 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
     resumed = out.scheduled_cached_reqs.resumed_req_ids
     resumed_reqs = ()
     finished = None
-    if new or st.after_prompt or resumed:
+    if new or before or resumed:
         admitted = []
         finished = out.finished_req_ids  # (vLLM's own set, made anew every step)
         requests = sched.requests
@@ -285,10 +287,11 @@ def _on_schedule(st: EngineState, sched, out, t0: float, t1: float) -> None:
             # recomputed, no first token waits), or in its prefill (0: the prefill goes on)
             resumed_reqs = tuple((i, r.num_tokens if r.num_output_tokens else 0) for i in resumed
                                  if (r := requests.get(i)) is not None)
-    # prompts (or recomputes) still in progress after this step
-    st.after_prompt = bool(sched._inflight_prefills)
+    # prompts (or recomputes) still in progress after this step: vLLM's own set, as it is now
+    inflight = sched._inflight_prefills
+    st.after_prompt = tuple(inflight) if inflight else ()
     pending = st.pending
-    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting), resumed_reqs, finished)
+    pending[id(out)] = (step, t0, t1, admitted, len(sched.running), len(sched.waiting), resumed_reqs, finished, before)
     if len(pending) > 64:  # outputs that never came back (an aborted step): bounded
         del pending[next(iter(pending))]
 

@@ -74,14 +74,15 @@ def _step_attrs(step: int, prefill_tokens: int, total: int, running: int, waitin
 
 
 #: what schedule() decided, until update_from_output() closes the step (a tuple: this is per step)
-#: (step, t0, t1, admitted or None, running, waiting, resumed_reqs, finished): admitted, for a step
+#: (step, t0, t1, admitted or None, running, waiting, resumed_reqs, finished, before): admitted, for a step
 #: that may carry prompt tokens, is its new requests' ``(request id, Request, PrefillStats, tokens
 #: computed before)`` (the id and the count read from vLLM's ``NewRequestData``, which is not kept);
 #: None for a decode-only step; resumed_reqs: the requests it resumed after a preemption ``(request
 #: id, its tokens, prompt and generated, if it was preempted in its decode, else 0)``, read on the
 #: loop only in such a step; finished: for a step that may carry prompt tokens, vLLM's set of the
 #: requests that finished or were aborted since the step before (``finished_req_ids``: a prefill in
-#: progress ends there when its client went away), else None
+#: progress ends there when its client went away), else None; before: vLLM's requests with a prompt
+#: (or a recompute) in progress before the step (``EngineState.after_prompt``; () once handed over)
 PendingStep = tuple
 
 
@@ -112,7 +113,9 @@ _RUN_FIELDS = operator.attrgetter(*DecodeRun.__slots__)  # the fields, in order 
 #: a step that may have carried prompt tokens, as the engine loop logs it: (``PendingStep``, its
 #: SchedulerOutput's ``num_scheduled_tokens``, ``total_num_scheduled_tokens`` and the two lists of its
 #: ``scheduled_cached_reqs`` read (``req_ids``, ``num_computed_tokens``), the scheduler, previous
-#: step's t_u0, t_u0, t_u1, previous step's end); sorted out by ``_work_step``. Not the output
+#: step's t_u0, t_u0, t_u1, previous step's end; as handed to the export sidecar, the snapshots of
+#: the requests in prompt work only and, in place of ``num_scheduled_tokens``, ``(theirs, the batch
+#: size)``: ``steps_handoff.prompt_work_only``); sorted out by ``_work_step``. Not the output
 #: itself: held until the fold (up to a second), its whole object graph — which vLLM lets go when
 #: the step closes — outlived collections of the youngest generation and made every one of them
 #: dearer (bench/overhead's garbage-collection rows)
@@ -157,7 +160,9 @@ class EngineState:
     #: cache computed again -> (its tokens when resumed: the recompute ends there, and the step that
     #: ends it samples a new token; the step of its last chunk)
     recomputes: dict[str, tuple] = field(default_factory=dict)
-    after_prompt: bool = False  # prompts in progress after the last step (vLLM's own set): the next step is kept
+    #: vLLM's requests with a prompt (or a recompute) in progress after the last watched step (its own
+    #: set, as a tuple): the next step is kept, and hands over their snapshots (``prompt_work_only``)
+    after_prompt: tuple = ()
     pruned: int = 0  # the step at which prefills in progress were last checked for requests gone (``_let_go``)
     engine: str = field(default_factory=lambda: f"engine-{os.getpid()}")
     #: steps as the engine loop leaves them (``DecodeStep``, ``WorkStep``; None: the open run ends
@@ -348,8 +353,12 @@ def _work_step(st: EngineState, w: WorkStep):
     or requests first scheduled, its spans (built on the export thread) and None (the open
     run ends before it); without, the ``DecodeStep`` it was, None (requests waited and
     nothing was scheduled: the run ends) or ``()`` (nothing to log)."""
-    (step, t0, t1, admitted, running, waiting, resumed_reqs, finished), ns, total, cached_ids, cached_computed, sched, \
-        prev_u0, t_u0, t_u1, prev_end = w
+    (step, t0, t1, admitted, running, waiting, resumed_reqs, finished, _), ns, total, cached_ids, cached_computed, \
+        sched, prev_u0, t_u0, t_u1, prev_end = w
+    if ns.__class__ is tuple:  # handed over (``steps_handoff.prompt_work_only``): (those read here, the batch)
+        ns, batch = ns
+    else:
+        batch = len(ns)
     work = _prefill_work(st, sched, ns, cached_ids, cached_computed, admitted, step, resumed_reqs, finished)
     if work is None:
         if total:
@@ -358,7 +367,7 @@ def _work_step(st: EngineState, w: WorkStep):
         return None if waiting else ()
     d = RT.deferred  # several spans in one record: DeferredSpans.group
     if d is not None:
-        d.group(_step_spans, (step, t0, t1, prev_u0, t_u0, t_u1, work, len(ns), running, waiting,
+        d.group(_step_spans, (step, t0, t1, prev_u0, t_u0, t_u1, work, batch, running, waiting,
                               total, st.engine, prev_end, sched.max_num_running_reqs if waiting else None),
                 _let_prompts_go)
     return None
