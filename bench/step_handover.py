@@ -34,7 +34,9 @@ from pathlib import Path
 from types import SimpleNamespace as NS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from handoff_frame import pair_us  # noqa: E402 - the same interleaved timing
 from ttftscope.collector import handoff  # noqa: E402
 from ttftscope.collector.otel_setup import READ_OUT, STEP_LOG, DeferredSpans, expand, read_out  # noqa: E402
 from ttftscope.collector.vllm_plugin import engine as E  # noqa: E402
@@ -128,17 +130,6 @@ def sidecar(frame: bytes) -> list:
     sorter.finish()
     assert left == []
     return [(r[0], r[1], r[2], {k: str(v) if k in LAZY else v for k, v in r[3].items()}) for r in expand(q.take(len(q)))]
-
-
-def pair_us(f, x, y, rounds: int) -> tuple[float, float]:
-    """CPU of ``f(x)`` and ``f(y)`` (us), interleaved round by round, the least of each."""
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for i, arg in enumerate((x, y)):
-            c = time.thread_time()
-            f(arg)
-            best[i] = min(best[i], time.thread_time() - c)
-    return best[0] * 1e6, best[1] * 1e6
 
 
 def main() -> None:
