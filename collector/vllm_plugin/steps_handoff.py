@@ -69,7 +69,7 @@ def ship_steps(st: EngineState, final: bool = False) -> None:
 
 
 #: a prompt step with fewer requests running beside its new ones is handed over whole: their few
-#: snapshots pickle for less than sorting them out costs (bench/step_handover: even at ~16)
+#: snapshots pickle for about what sorting them out costs (bench/step_handover, warm: even from 0 to 32)
 WHOLE_BELOW = 16
 
 
@@ -79,7 +79,7 @@ def prompt_work_only(w: tuple) -> tuple:
     of the requests in prompt work (admitted in the step, resumed in it, or in vLLM's own set of
     prompts and recomputes in progress before it: the same rule as the sorting's, computed < tokens),
     with the step's batch size. The rest are the running decodes': O(running) of them a prompt step,
-    pickled for nothing (bench/step_handover: 27.1 -> 6.7 us a request with 256 running)."""
+    pickled for nothing (bench/step_handover: 27.7 -> 7.9 us a request with 256 running, warm)."""
     p, ns, ids = w[0], w[1], w[3]
     before = p[8]
     if len(ids) < WHOLE_BELOW:  # few running beside the new requests: as it is (vLLM's Requests in prefill let go)
