@@ -59,7 +59,8 @@ def ship_steps(st: EngineState, final: bool = False) -> None:
     idle (the open run's end is decided where the steps are sorted out, as here, from when they
     were taken). ``final``: at exit, the open run ends."""
     log = st.log
-    items = [prompt_work_only(x) if x is not None and len(x) == 10 else x for x in (log.popleft() for _ in range(len(log)))]
+    items = [log.popleft() for _ in range(len(log))]
+    items = [prompt_work_only(x) if x is not None and len(x) == 10 else x for x in items]  # (10: a WorkStep)
     if not items and not st.shipped and not final:
         return
     st.shipped = bool(items)

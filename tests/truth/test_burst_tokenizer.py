@@ -87,7 +87,8 @@ def test_a_slow_tokenizer_in_bursts_that_queue_is_sized_through_the_queue(bursts
     se = float((g["v"] / g["n"]).sum()) ** 0.5
     if se > TOLERANCE_MS / 2:
         pytest.skip(f"this machine's bursts vary too much for the client's stopwatch to size a {TOLERANCE_MS:.0f}-ms "
-                    f"difference (standard error {se:.1f} ms; clean p50s {per.filter(~pl.col('slow'))['client'].to_list()})")
+                    f"difference (standard error {se:.1f} ms; clean p50s "
+                    f"{[round(x, 1) for x in per.filter(~pl.col('slow'))['client']]} ms)")
     # the plant held the prompts back before the queue far beyond what the client lost: else this
     # test could not tell the replay from the subtraction
     assert subtractive - lost > TOLERANCE_MS, (subtractive, lost, per.rows())
