@@ -46,6 +46,7 @@ def tp1(tmp_path_factory):
             ids["stream"].append(srv.stream(prompt_of(40, 30 + i))[0]["id"])
         for i in range(6):  # a quarter of the requests share the prefix: enough for the prefix-cache detector
             ids["prefix"].append(srv.completion(shared + " " + prompt_of(20, 40 + i))["id"])
+        ids["crowd"] = _beside_a_crowd(srv, [prompt_of(200, 60), shared + " " + prompt_of(20, 61), prompt_of(30, 62)])
         srv.completion(prompt_of(20, 1), headers={"traceparent": f"00-{SAMPLED_TID}-{CLIENT_PARENT}-01"})
         unsampled = srv.completion(prompt_of(20, 2), headers={"traceparent": f"00-{UNSAMPLED_TID}-{CLIENT_PARENT}-00"})
         col.wait_quiet()  # the plugin exports every 2 s; decode runs close after 0.25 s idle (folded every second)
@@ -56,6 +57,28 @@ def tp1(tmp_path_factory):
         srv.stop()
     assert col.terminate() == 0
     yield col.store, ids, srv, witness
+
+
+CROWD = 20  # requests decoding while new prompts arrive: over the plugin's WHOLE_BELOW (16)
+
+
+def _beside_a_crowd(srv, prompts: list[str]) -> list[str]:
+    """``prompts`` sent one by one while CROWD streams decode (exactly 400 tokens each), as on a
+    busy server: their prompt steps carry many running requests beside them, which the engine
+    core's hand-over to its sidecar leaves out (``steps_handoff.prompt_work_only``). Returns the
+    prompts' request ids once every stream has ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(CROWD) as pool:
+        crowd = [pool.submit(srv.stream, prompt_of(12, 70 + i), 400, ignore_eos=True) for i in range(CROWD)]
+        deadline = time.monotonic() + 60
+        while srv.metrics().get("vllm:num_requests_running", 0) < CROWD:  # vLLM's own gauge
+            assert time.monotonic() < deadline and not any(f.done() for f in crowd), "the crowd never ran together"
+            time.sleep(0.05)
+        out = [srv.completion(p)["id"] for p in prompts]
+        for f in crowd:
+            assert len([c for c in f.result() if c["choices"][0]["text"]]) > 0
+    return out
 
 
 def _trace_of(store, request_id):
@@ -220,11 +243,18 @@ def test_prompt_and_cached_tokens_agree_with_vllms_own_counters(tp1):
         (k,) = [k for k in keys if k.startswith(rid) or rid.startswith(k)]
         return k
 
-    for rid in ids["prefix"] + ids["long"] + ids["stream"]:
+    for rid in ids["prefix"] + ids["long"] + ids["stream"] + ids["crowd"]:
         assert mine[one(mine, rid)] == usage[one(usage, rid)], rid
+    # the prompts that came beside the crowd: their steps were handed over with only their own
+    # snapshots (16 or more running), and their batch sizes say the crowd was in those steps
+    batch = {r["rid"]: int(r["b"]) for r in ttftscope_sql(store, f"""
+        SELECT SpanAttributes['gen_ai.request.id'] AS rid, min(toUInt32OrZero(SpanAttributes['{Attr.BATCH_SIZE}'])) AS b
+        FROM otel_traces WHERE SpanName = '{SpanName.PREFILL}' GROUP BY rid""")}
+    assert all(batch[one(batch, rid)] > CROWD for rid in ids["crowd"]), (batch, ids["crowd"])
     cached = {r["rid"]: int(r["cached"]) for r in per_req}
     hits = [cached[one(cached, rid)] for rid in ids["prefix"]]
     assert sorted(hits)[0] == 0 and min(sorted(hits)[1:]) >= 500, hits
+    assert cached[one(cached, ids["crowd"][1])] >= 500, "the shared prefix hit beside the crowd too"
     # vLLM hit the cache: no prefix-cache finding (with the cache off it appears:
     # tests/truth/test_client_ttft.py::test_with_the_prefix_cache_off_the_misses_are_reported_with_their_size)
     r = subprocess.run([PY, "-m", "ttftscope", "analyze", "--store", store, "--last", "1h", "--json", "--quiet",
