@@ -26,8 +26,8 @@ SAMPLED_TID, UNSAMPLED_TID, CLIENT_PARENT = ("4bf92f3577b34da6a3ce929d0e0e4736",
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory):
     """Collector + vLLM (TP=1, vLLM's defaults: torch.compile on) with the plugin, driven by
-    real completions (plain and streaming), chats, a shared prompt prefix and client
-    traceparents. vLLM's own /metrics are read at the end as the witness."""
+    real completions (plain and streaming), chats, a shared prompt prefix, prompts arriving
+    beside 20 decoding streams and client traceparents. vLLM's own /metrics are read at the end as the witness."""
     tmp = tmp_path_factory.mktemp("tp1")
     col = CollectorProc(str(tmp / "store"), tmp / "spool").start()
     # the plugin's own accounting on (per hook and process: which hooks ran where)
