@@ -12,6 +12,7 @@ import requests
 from conftest import PY, ROOT, CollectorProc, VllmServer, free_port, ttftscope_sql
 from ttftscope.analyzer.decompose import PHASE_COLUMNS, decompose
 from ttftscope.analyzer.window import Window
+from ttftscope.collector.vllm_plugin.steps_handoff import WHOLE_BELOW
 from ttftscope.schemas.store import open_store
 from ttftscope.schemas.vocabulary import Attr, SpanName
 
@@ -27,7 +28,7 @@ SAMPLED_TID, UNSAMPLED_TID, CLIENT_PARENT = ("4bf92f3577b34da6a3ce929d0e0e4736",
 def tp1(tmp_path_factory):
     """Collector + vLLM (TP=1, vLLM's defaults: torch.compile on) with the plugin, driven by
     real completions (plain and streaming), chats, a shared prompt prefix, prompts arriving
-    beside 20 decoding streams and client traceparents. vLLM's own /metrics are read at the end as the witness."""
+    beside CROWD decoding streams and client traceparents. vLLM's own /metrics are read at the end as the witness."""
     tmp = tmp_path_factory.mktemp("tp1")
     col = CollectorProc(str(tmp / "store"), tmp / "spool").start()
     # the plugin's own accounting on (per hook and process: which hooks ran where)
@@ -59,7 +60,8 @@ def tp1(tmp_path_factory):
     yield col.store, ids, srv, witness
 
 
-CROWD = 20  # requests decoding while new prompts arrive: over the plugin's WHOLE_BELOW (16)
+#: requests decoding while new prompts arrive: enough that their prompt steps are not handed over whole
+CROWD = WHOLE_BELOW + 4
 
 
 def _beside_a_crowd(srv, prompts: list[str]) -> list[str]:
